@@ -1,0 +1,414 @@
+"""ringflow: distributed data-parallel training for PyTorch and TensorFlow, in pure Python.
+
+This module is the framework-neutral API on numpy arrays; ``ringflow.torch`` and
+``ringflow.tensorflow`` wrap it with Horovod's names. Every collective has an ``_async`` form
+returning a :class:`Handle`; the plain form waits for it. ``import ringflow`` imports no
+framework, no mpi4py and no cupy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import ops as _ops
+from .compression import Compression, Compressor
+from .config import Config
+from .errors import NotInitializedError, RingflowError, TensorError
+from .handles import Handle
+from .negotiation import Request
+from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Adasum", "Average", "Compression", "Config", "Handle", "Max", "Min", "ProcessSet",
+    "Product", "ReduceOp", "RingflowError", "Sum", "__version__", "add_process_set",
+    "allgather", "allgather_async", "allreduce", "allreduce_async", "alltoall", "alltoall_async",
+    "barrier", "broadcast", "broadcast_async", "cross_rank", "cross_size", "global_process_set",
+    "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_initialized", "join",
+    "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
+    "remove_process_set", "shutdown", "size", "stats", "synchronize",
+]
+
+log = logging.getLogger(__name__)
+
+
+class ProcessSet:
+    """A subset of ranks with its own collectives (Horovod's ``hvd.ProcessSet``)."""
+
+    def __init__(self, ranks: Sequence[int] | None = None) -> None:
+        self.ranks = None if ranks is None else sorted(int(r) for r in ranks)
+        self.process_set_id: int | None = 0 if ranks is None else None
+
+    def _members(self) -> list[int]:
+        return list(range(size())) if self.ranks is None else self.ranks
+
+    def size(self) -> int:
+        return len(self._members())
+
+    def rank(self) -> int:
+        """This process's rank within the set, or -1 if it is not a member."""
+        members = self._members()
+        return members.index(rank()) if rank() in members else -1
+
+    def included(self) -> bool:
+        return rank() in self._members()
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet()
+
+_state_lock = threading.Lock()
+_engine: Any = None
+_info: Any = None
+_generation = itertools.count()
+_counters: dict[str, itertools.count] = {}
+
+
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
+    """Join the job described by the environment (ringflow-run, mpirun, srun, torchrun).
+
+    Calling it again while initialized does nothing. ``process_sets`` are added (collectively)
+    right after; ``comm`` is reserved for an mpi4py communicator (MPI transport issue).
+
+    Raises:
+        ConfigError: a RINGFLOW_* variable or the launcher environment is invalid.
+        PeerError / RingflowTimeoutError: the other ranks could not be reached within timeout_s.
+    """
+    global _engine, _info
+    from . import topology, transport
+    from .engine import Engine
+
+    with _state_lock:
+        if _engine is not None:
+            return
+        if comm is not None:
+            raise RingflowError("init(comm=...) needs the MPI transport, which is not built yet")
+        config = Config.from_env()
+        logging.getLogger("ringflow").setLevel(config.log_level.upper())
+        info = topology.detect()
+        generation = next(_generation)
+        if info.size == 1:
+            from .transport.tcp import TcpTransport
+
+            link: Any = TcpTransport(0, 1, {}, config.timeout_s)
+        else:
+            from . import rendezvous
+
+            store = rendezvous.connect(timeout=config.timeout_s)
+            name = "tcp" if config.transport == "auto" else config.transport
+            link = transport.create(name, info.rank, info.size, store, config,
+                                    prefix=f"init{generation}/")
+        _info = info
+        _engine = Engine(info.rank, info.size, link, config)
+        _counters.clear()
+    for ps in process_sets or ():
+        add_process_set(ps)
+
+
+def shutdown() -> None:
+    """Stop the engine; pending operations fail with ShutdownError. Safe to call twice."""
+    global _engine
+    with _state_lock:
+        engine, _engine = _engine, None
+    if engine is not None:
+        engine.shutdown()
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    return _engine is not None
+
+
+def _need() -> Any:
+    if _engine is None:
+        raise NotInitializedError("ringflow has not been initialized; call ringflow.init() first")
+    return _engine
+
+
+def rank() -> int:
+    _need()
+    return int(_info.rank)
+
+
+def size() -> int:
+    _need()
+    return int(_info.size)
+
+
+def local_rank() -> int:
+    _need()
+    return int(_info.local_rank)
+
+
+def local_size() -> int:
+    _need()
+    return int(_info.local_size)
+
+
+def cross_rank() -> int:
+    _need()
+    return int(_info.cross_rank)
+
+
+def cross_size() -> int:
+    _need()
+    return int(_info.cross_size)
+
+
+def stats() -> dict[str, int]:
+    """Engine counters (collectives run, tensors, cache hits, negotiations, ...), for tests."""
+    engine = _need()
+    out = dict(engine.stats)
+    if engine.coordinator is not None:
+        out.update(engine.coordinator.stats)
+    out["cached_names"] = len(engine.cache.key_of)
+    return out
+
+
+# building requests ---------------------------------------------------------------------------
+def _set_id(process_set: ProcessSet) -> int:
+    if process_set.process_set_id is None:
+        raise TensorError(f"{process_set} has not been added; call add_process_set() first")
+    return process_set.process_set_id
+
+
+def _name(op: str, name: str | None, ps: int) -> str:
+    if name:
+        return str(name)
+    counter = _counters.setdefault(f"{op}/{ps}", itertools.count())
+    return f"{op}.noname.{next(counter)}"
+
+
+def _check(array: Any, what: str) -> tuple[np.ndarray | None, str]:
+    """The array as a C-contiguous numpy array, or None and the reason it cannot be used."""
+    try:
+        arr = np.ascontiguousarray(array)
+        _ops.check_dtype(arr.dtype, what)
+    except (RingflowError, TypeError, ValueError) as exc:
+        return None, str(exc)
+    return arr, ""
+
+
+def _submit(op: str, array: Any, name: str | None, process_set: ProcessSet, out: Any = None,
+            **fields: Any) -> Handle:
+    engine = _need()
+    ps = _set_id(process_set)
+    name = _name(op, name, ps)
+    arr, error = _check(array, f"tensor {name!r}")
+    if out is not None and not error and (
+        not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.shape != arr.shape
+    ):
+        error = f"the output for {name!r} must be a C-contiguous array of shape {arr.shape}"
+    if not error and not process_set.included():
+        error = f"rank {rank()} is not a member of {process_set}"
+    request = Request(
+        name=name, op=op, dtype="" if arr is None else arr.dtype.name,
+        shape=() if arr is None else tuple(arr.shape), process_set=ps, error=error, **fields,
+    )
+    return engine.enqueue(request, arr, out)
+
+
+def _scales(op: ReduceOp | int | None, prescale: float, postscale: float) -> dict[str, Any]:
+    op = ReduceOp.AVERAGE if op is None else ReduceOp(op)
+    _ops.ufunc(op)  # Adasum: a clear error here rather than on the engine thread
+    return {"reduce_op": int(op), "prescale": float(prescale), "postscale": float(postscale)}
+
+
+# collectives -------------------------------------------------------------------------------------
+def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp | None = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set,
+                    compression: Compressor = Compression.none, out: Any = None) -> Handle:
+    """Reduce ``tensor`` over the ranks of ``process_set`` (default op: Average)."""
+    return _submit("allreduce", tensor, name, process_set, out=out,
+                   compression=compression.name, **_scales(op, prescale_factor, postscale_factor))
+
+
+def allreduce(tensor: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+    return allreduce_async(tensor, *args, **kwargs).wait()
+
+
+def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
+                            op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set,
+                            compression: Compressor = Compression.none,
+                            outs: Sequence[Any] | None = None) -> _GroupHandle:
+    """Allreduce a list of tensors negotiated together and fused into as few buffers as fit."""
+    ps = _set_id(process_set)
+    base = _name("grouped_allreduce", name, ps)
+    handles = [
+        _submit("allreduce", t, f"{base}.{i}", process_set, out=None if outs is None else outs[i],
+                compression=compression.name, group=base, group_size=len(tensors),
+                **_scales(op, prescale_factor, postscale_factor))
+        for i, t in enumerate(tensors)
+    ]
+    return _GroupHandle(base, handles)
+
+
+def grouped_allreduce(tensors: Sequence[Any], *args: Any, **kwargs: Any) -> list[np.ndarray]:
+    return grouped_allreduce_async(tensors, *args, **kwargs).wait()
+
+
+def allgather_async(tensor: Any, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Concatenate every rank's ``tensor`` along the first dimension (sizes may differ)."""
+    if np.ndim(tensor) == 0:
+        tensor = np.reshape(tensor, (1,))
+    return _submit("allgather", tensor, name, process_set)
+
+
+def allgather(tensor: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+    return allgather_async(tensor, *args, **kwargs).wait()
+
+
+def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> _GroupHandle:
+    ps = _set_id(process_set)
+    base = _name("grouped_allgather", name, ps)
+    handles = [
+        _submit("allgather", np.reshape(t, (1,)) if np.ndim(t) == 0 else t, f"{base}.{i}",
+                process_set, group=base, group_size=len(tensors))
+        for i, t in enumerate(tensors)
+    ]
+    return _GroupHandle(base, handles)
+
+
+def grouped_allgather(tensors: Sequence[Any], *args: Any, **kwargs: Any) -> list[np.ndarray]:
+    return grouped_allgather_async(tensors, *args, **kwargs).wait()
+
+
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set, out: Any = None) -> Handle:
+    """Every rank receives ``root_rank``'s tensor (``root_rank`` is a rank of the set)."""
+    root = int(root_rank)
+    handle = _submit("broadcast", tensor, name, process_set, out=out, root=root)
+    return handle
+
+
+def broadcast(tensor: Any, root_rank: int, *args: Any, **kwargs: Any) -> np.ndarray:
+    return broadcast_async(tensor, root_rank, *args, **kwargs).wait()
+
+
+def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Send ``splits[d]`` rows to rank ``d``; the result is (rows received, splits received).
+
+    Without ``splits`` the first dimension is divided as evenly as possible, lower ranks first.
+    """
+    n = process_set.size()
+    rows = int(np.shape(tensor)[0]) if np.ndim(tensor) else 0
+    if splits is None:
+        splits = [rows // n + (1 if d < rows % n else 0) for d in range(n)]
+    return _submit("alltoall", tensor, name, process_set,
+                   splits=tuple(int(s) for s in np.asarray(splits).reshape(-1)))
+
+
+def alltoall(tensor: Any, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
+    return alltoall_async(tensor, *args, **kwargs).wait()
+
+
+def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp | None = None,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Reduce, then give each rank its share of rows (lower ranks take the remainder)."""
+    return _submit("reducescatter", tensor, name, process_set,
+                   **_scales(op, prescale_factor, postscale_factor))
+
+
+def reducescatter(tensor: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+    return reducescatter_async(tensor, *args, **kwargs).wait()
+
+
+def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
+                                op: ReduceOp | None = None,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> _GroupHandle:
+    ps = _set_id(process_set)
+    base = _name("grouped_reducescatter", name, ps)
+    handles = [
+        _submit("reducescatter", t, f"{base}.{i}", process_set, group=base,
+                group_size=len(tensors), **_scales(op, prescale_factor, postscale_factor))
+        for i, t in enumerate(tensors)
+    ]
+    return _GroupHandle(base, handles)
+
+
+def grouped_reducescatter(tensors: Sequence[Any], *args: Any, **kwargs: Any) -> list[np.ndarray]:
+    return grouped_reducescatter_async(tensors, *args, **kwargs).wait()
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank of ``process_set`` has called barrier()."""
+    ps = _set_id(process_set)
+    _need().enqueue(Request(_name("barrier", None, ps), "barrier", process_set=ps)).wait()
+
+
+def join() -> int:
+    """Stop contributing data: until every rank has joined, this rank's engine takes part in
+    other ranks' allreduces with zeros (allgathers with no rows). Returns the last rank to join.
+    """
+    return int(_need().enqueue(Request("join", "join")).wait())
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set; every rank must call this with the same ranks, in the same order."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.ranks is None or ps.process_set_id is not None:
+        raise TensorError(f"{ps} is already registered")
+    bad = [r for r in ps.ranks if not 0 <= r < size()]
+    if bad or len(set(ps.ranks)) != len(ps.ranks) or not ps.ranks:
+        raise TensorError(f"process set ranks {ps.ranks} must be distinct ranks of 0..{size() - 1}")
+    ranks = tuple(ps.ranks)
+    name = f"add_process_set.{','.join(map(str, ranks))}"
+    ps.process_set_id = int(_need().enqueue(Request(name, "add_process_set", shape=ranks)).wait())
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister ``process_set`` (collectively); its pending operations fail."""
+    if process_set.process_set_id in (None, 0):
+        return False
+    set_id = _set_id(process_set)
+    _need().enqueue(Request(f"remove_process_set.{set_id}", "remove_process_set",
+                            root=set_id)).wait()
+    process_set.process_set_id = None
+    return True
+
+
+def poll(handle: Handle) -> bool:
+    return handle.poll()
+
+
+def synchronize(handle: Handle) -> Any:
+    return handle.wait()
+
+
+class _GroupHandle(Handle):
+    """A handle over several handles; its result is the list of their results."""
+
+    def __init__(self, name: str, handles: list[Handle]) -> None:
+        super().__init__(name)
+        self.handles = handles
+
+    def poll(self) -> bool:
+        return all(h.poll() for h in self.handles)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        return [h.wait(timeout) for h in self.handles]
+
+    result = wait

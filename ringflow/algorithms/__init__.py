@@ -1,0 +1,28 @@
+"""Collectives written once over any :class:`~ringflow.transport.Transport`, on numpy arrays.
+
+- :mod:`.ring`: :func:`allreduce` (ring reduce-scatter + allgather, pipelined, bitwise identical
+  on every rank) and :func:`reducescatter`.
+- :mod:`.gather`: :func:`allgather` (ring, uneven first dimensions), :func:`broadcast` (pipelined
+  chain), :func:`alltoall` (pairwise, uneven splits) and :func:`barrier` (dissemination).
+- :mod:`.buffers`: how arrays are cut into messages; :data:`~.buffers.CHUNK_BYTES` is the pipeline
+  chunk size (patch ``ringflow.algorithms.buffers.CHUNK_BYTES`` to change it).
+
+Each module's docstring is its specification: steps, invariants and cost per rank.
+"""
+
+from __future__ import annotations
+
+from .buffers import CHUNK_BYTES, even_split
+from .gather import allgather, alltoall, barrier, broadcast
+from .ring import allreduce, reducescatter
+
+__all__ = [
+    "CHUNK_BYTES",
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "even_split",
+    "reducescatter",
+]

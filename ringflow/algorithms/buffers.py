@@ -1,0 +1,58 @@
+"""How the collectives cut numpy arrays into the byte messages a Transport moves.
+
+- :func:`even_split` divides ``length`` items among ``parts`` ranks as evenly as possible, the
+  remainder going to the lowest ranks (5 over 3 -> 2, 2, 1). Every algorithm uses it, so a rank can
+  compute any other rank's share without asking.
+- :func:`chunk_ranges` cuts a range of elements into pipeline chunks of at most
+  :data:`CHUNK_BYTES`. Sender and receiver cut the same range the same way, so they agree on the
+  size of every message without sending it. Empty ranges have no chunks: no algorithm ever sends
+  an empty message.
+- :func:`as_bytes` is the zero-copy ``memoryview`` of a contiguous array (bfloat16 and bool have
+  no buffer-protocol format, so every array goes through a ``uint8`` view).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import TensorError
+
+__all__ = ["CHUNK_BYTES", "as_bytes", "chunk_elems", "chunk_ranges", "even_split"]
+
+#: Largest message of a pipelined collective. 1 MiB is large enough that per-message overhead
+#: (a Python call, a syscall, a header) is small against copying it, and small enough that the
+#: ring's reduce of one chunk overlaps the transfer of the next. A multiple of every itemsize;
+#: tests lower it to exercise multi-chunk pipelines.
+CHUNK_BYTES = 1 << 20
+
+
+def chunk_elems(itemsize: int) -> int:
+    """Elements per pipeline chunk for items of ``itemsize`` bytes (read at call time)."""
+    return max(1, CHUNK_BYTES // itemsize)
+
+
+def even_split(length: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` half-open ranges covering ``range(length)``; lower parts take the remainder."""
+    q, rem = divmod(length, parts)
+    bounds = []
+    start = 0
+    for i in range(parts):
+        stop = start + q + (i < rem)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def chunk_ranges(start: int, stop: int, per_chunk: int) -> list[tuple[int, int]]:
+    """Cut ``[start, stop)`` into consecutive ranges of at most ``per_chunk`` elements."""
+    return [(lo, min(lo + per_chunk, stop)) for lo in range(start, stop, per_chunk)]
+
+
+def as_bytes(arr: np.ndarray) -> memoryview:
+    """A writable-if-``arr``-is, zero-copy byte view of the C-contiguous array ``arr``."""
+    if not arr.flags.c_contiguous:
+        raise TensorError(
+            f"internal: a transport buffer of shape {arr.shape} is not C-contiguous; "
+            f"pass np.ascontiguousarray(tensor)"
+        )
+    return memoryview(arr.reshape(-1).view(np.uint8))

@@ -1,0 +1,63 @@
+"""Handle: the future an async collective returns.
+
+``poll()`` says whether it finished; ``wait(timeout)`` blocks and re-raises the operation's error
+(the same class and text on every rank); ``result()`` is ``wait()`` returning the output.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .errors import RingflowTimeoutError
+
+__all__ = ["Handle"]
+
+
+class Handle:
+    __slots__ = ("_callbacks", "_done", "_error", "_lock", "_value", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Handle], None]] = []
+
+    def poll(self) -> bool:
+        """True once the operation finished (successfully or not)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done and return the result; raise the operation's error if it failed."""
+        if not self._done.wait(timeout):
+            raise RingflowTimeoutError(f"operation {self.name!r} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    result = wait
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` when done (at once if already done), on the engine thread."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._value, self._error = value, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.poll() else ("failed" if self._error else "done")
+        return f"<Handle {self.name!r} {state}>"

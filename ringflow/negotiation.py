@@ -1,0 +1,381 @@
+"""Negotiation: which named tensors are ready on every rank, in which order, fused how.
+
+Protocol (rank 0 of the job is the coordinator for every process set)::
+
+    worker -> coordinator : Submit(requests, bits)   new requests in full; cached ones as bit ids
+    coordinator -> all    : Plan(items)              items in execution order, the same for all
+
+* A *request* names a tensor and everything the ranks must agree on (op, dtype, shape, reduce op,
+  root, scale factors, compression, device, group). A rank whose tensor failed local validation
+  still submits it, with ``error`` set, so that every rank learns of the failure.
+* A name is *ready* when every member of its process set has submitted it; ranks that called
+  ``join()`` count as submitted (they contribute zeros to allreduce, no rows to allgather).
+  A grouped name waits until every name of its group is ready.
+* When a name is ready its requests are validated against each other; any disagreement becomes an
+  error response naming the tensor, the field and each rank's value, delivered to every rank.
+* Ready allreduces with the same process set, wire dtype, reduce op, scale factors and device are
+  fused into one item up to ``fusion_threshold_bytes``; allgathers of one dtype likewise.
+
+Response cache (fast path): every rank processes the same plans in the same order, and
+:meth:`ResponseCache.record` assigns a bit to each newly negotiated name in plan order, so bits are
+identical on every rank without any message about them. A rank whose request for a cached name is
+unchanged sends only the bit; a plan item of cached allreduces is only their bits. Bits are never
+reassigned (a full cache just stops caching new names), so a bit in flight always means the name
+it meant when it was sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .compression import Compression
+from .ops import DTYPES
+
+__all__ = ["CachedAllreduce", "Coordinator", "Request", "Response", "ResponseCache"]
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, str]  # (process set id, tensor name)
+
+_CACHEABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter"})
+# Ops that may proceed while some ranks have joined: the joined ranks contribute nothing.
+_JOINABLE = frozenset({"allreduce", "allgather", "barrier"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    name: str
+    op: str
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    reduce_op: int = 1
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    compression: str = "none"
+    device: str = "cpu"
+    process_set: int = 0
+    group: str = ""
+    group_size: int = 0
+    splits: tuple[int, ...] = ()
+    error: str = ""
+
+    @property
+    def key(self) -> Key:
+        return (self.process_set, self.name)
+
+    @property
+    def nbytes(self) -> int:
+        if not self.dtype:
+            return 0
+        return int(np.prod(self.shape, dtype=np.int64)) * self.wire_dtype.itemsize
+
+    @property
+    def wire_dtype(self) -> np.dtype:
+        return Compression.by_name(self.compression).wire_dtype(DTYPES[self.dtype])
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    """One plan item: an operation on one or more (fused) tensors, or an error for one name."""
+
+    op: str
+    process_set: int
+    requests: tuple[Request, ...]  # one reference request per tensor, in fusion order
+    first_dims: tuple[tuple[int, ...], ...] = ()  # allgather: [tensor][member] first dimension
+    joined: tuple[int, ...] = ()  # global ranks that contribute zeros / no rows
+    error: str = ""
+    error_type: str = ""  # a class name from ringflow.errors
+    value: int = -1  # join: the last rank to join; add_process_set: the new id
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.requests)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedAllreduce:
+    """A plan item of fused allreduces that every rank has cached: only their bits travel."""
+
+    bits: tuple[int, ...]
+
+
+class ResponseCache:
+    """Bits for negotiated names, assigned identically on every rank (see the module docstring)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.bit_of: dict[Key, int] = {}
+        self.key_of: list[Key] = []
+        self.ref: list[Request] = []  # the reference request of each bit
+        self.mine: dict[Key, Request] = {}  # what this rank last submitted for a cached name
+
+    def lookup(self, request: Request) -> int | None:
+        """The bit to send instead of ``request``, if this rank's last request was the same."""
+        bit = self.bit_of.get(request.key)
+        if bit is not None and self.mine.get(request.key) == request:
+            return bit
+        return None
+
+    def record(self, item: Response, mine: Callable[[Key], Request | None]) -> None:
+        """Note a successful full response of the plan; every rank calls this in plan order."""
+        if item.error or item.op not in _CACHEABLE:
+            return
+        for ref in item.requests:
+            key = ref.key
+            bit = self.bit_of.get(key)
+            if bit is None:
+                if len(self.key_of) >= self.capacity:
+                    continue
+                bit = len(self.key_of)
+                self.bit_of[key] = bit
+                self.key_of.append(key)
+                self.ref.append(ref)
+            else:
+                self.ref[bit] = ref
+            own = mine(key)
+            if own is None:
+                self.mine.pop(key, None)
+            else:
+                self.mine[key] = own
+
+
+class Coordinator:
+    """Rank 0's negotiation state for all process sets. Pure logic: no I/O, no threads."""
+
+    def __init__(
+        self,
+        size: int,
+        members: Callable[[int], Sequence[int]],
+        fusion_threshold_bytes: int,
+        cache: ResponseCache,
+    ) -> None:
+        self.size = size
+        self.members = members
+        self.fusion_threshold = fusion_threshold_bytes
+        self.cache = cache
+        self.table: dict[Key, dict[int, Request]] = {}
+        self.via_bits: dict[Key, set[int]] = {}
+        self.first_seen: dict[Key, float] = {}
+        self.warned: set[Key] = set()
+        self.known: dict[Key, dict[int, Request]] = {}  # per-rank requests of cached names
+        self.joined: list[int] = []
+        self.gone: dict[int, str] = {}
+        self.next_set_id = 1
+        self.stats = {"negotiated": 0, "cache_hits": 0, "plans": 0, "fused_items": 0}
+
+    # input -------------------------------------------------------------------------------------
+    def submit(self, rank: int, requests: Sequence[Request], bits: Sequence[int]) -> None:
+        for bit in bits:
+            key = self.cache.key_of[bit]
+            self._add(rank, self.known[key][rank], via_bit=True)
+        for req in requests:
+            if req.op == "join":
+                if rank not in self.joined:
+                    self.joined.append(rank)
+                continue
+            self._add(rank, req, via_bit=False)
+
+    def _add(self, rank: int, req: Request, via_bit: bool) -> None:
+        key = req.key
+        slot = self.table.setdefault(key, {})
+        if rank in slot and not req.error:
+            req = dataclasses.replace(
+                req, error=f"rank {rank} submitted {req.name!r} again while it was in flight"
+            )
+        slot[rank] = req
+        self.first_seen.setdefault(key, time.monotonic())
+        bits = self.via_bits.setdefault(key, set())
+        if via_bit:
+            bits.add(rank)
+        else:
+            bits.discard(rank)
+
+    def rank_gone(self, rank: int, reason: str) -> None:
+        self.gone[rank] = reason
+
+    # output ------------------------------------------------------------------------------------
+    def plan(self) -> list[Response | CachedAllreduce]:
+        """Take every ready name out of the table and return the plan items, fused."""
+        ready: list[tuple[Key, dict[int, Request]]] = []
+        groups: dict[tuple[int, str], list[Key]] = {}
+        for key, slot in self.table.items():
+            if not self._ready(key, slot):
+                continue
+            group = next(iter(slot.values())).group
+            if group:
+                groups.setdefault((key[0], group), []).append(key)
+            else:
+                ready.append((key, slot))
+        for (_, _), keys in groups.items():
+            size = next(iter(self.table[keys[0]].values())).group_size
+            if len(keys) >= size:
+                ready.extend((k, self.table[k]) for k in keys)
+        items: list[Response | CachedAllreduce] = []
+        fusable: dict[tuple, list[tuple[Response, bool]]] = {}
+        for key, slot in ready:
+            del self.table[key]
+            self.first_seen.pop(key, None)
+            self.warned.discard(key)
+            cached = self.via_bits.pop(key, set()) >= set(slot) and bool(slot)
+            item = self._respond(key, slot, cached)
+            if item.error or item.op not in ("allreduce", "allgather"):
+                items.append(item)
+                continue
+            ref = item.requests[0]
+            fkey = (item.op, key[0], str(ref.wire_dtype), ref.reduce_op, ref.prescale,
+                    ref.postscale, ref.device, item.joined, cached and item.op == "allreduce")
+            fusable.setdefault(fkey, []).append((item, cached))
+        for fkey, members in fusable.items():
+            items.extend(self._fuse(fkey[0], fkey[-1], [m for m, _ in members]))
+        if self._all_joined():
+            items.append(Response("join", 0, (), value=self.joined[-1]))
+            self.joined = []
+        if items:
+            self.stats["plans"] += 1
+        return items
+
+    def _ready(self, key: Key, slot: dict[int, Request]) -> bool:
+        members = self.members(key[0])
+        # Joined and departed ranks count as present: the response then says what they lack.
+        return not members or set(slot) | set(self.joined) | set(self.gone) >= set(members)
+
+    def _all_joined(self) -> bool:
+        return bool(self.joined) and len(set(self.joined)) == self.size
+
+    def _respond(self, key: Key, slot: dict[int, Request], cached: bool) -> Response:
+        members = self.members(key[0])
+        first = slot[min(slot)]
+        if not members:
+            return _error(first, f"process set {key[0]} was removed", "ValueError")
+        missing_gone = sorted(set(members) - set(slot) & set(self.gone))
+        if missing_gone:
+            r = missing_gone[0]
+            return _error(
+                first,
+                f"rank {r} left the job ({self.gone[r]}) before submitting {first.name!r}",
+                "ShutdownError",
+            )
+        if cached:
+            self.stats["cache_hits"] += 1
+        else:
+            self.stats["negotiated"] += 1
+            problem = validate(first.name, slot)
+            if problem:
+                return _error(first, problem[1], problem[0])
+        joined = tuple(r for r in members if r not in slot)
+        if joined and first.op not in _JOINABLE:
+            return _error(
+                first,
+                f"ranks {list(joined)} have joined, so they cannot take part in {first.op} "
+                f"{first.name!r}; only allreduce, allgather and barrier proceed past join()",
+                "TensorError",
+            )
+        self.known[key] = dict(slot)
+        if first.op == "allgather":
+            dims = tuple(slot[r].shape[0] if r in slot else 0 for r in members)
+            return Response("allgather", key[0], (first,), first_dims=(dims,), joined=joined)
+        if first.op == "add_process_set":
+            self.next_set_id += 1
+            return Response(first.op, key[0], (first,), value=self.next_set_id - 1)
+        return Response(first.op, key[0], (first,), joined=joined)
+
+    def _fuse(self, op: str, cached: bool, items: list[Response]) -> list[Response | CachedAllreduce]:
+        out: list[Response | CachedAllreduce] = []
+        batch: list[Response] = []
+        total = 0
+
+        def flush() -> None:
+            if not batch:
+                return
+            if len(batch) > 1:
+                self.stats["fused_items"] += 1
+            if cached:
+                out.append(CachedAllreduce(tuple(self.cache.bit_of[b.requests[0].key]
+                                                 for b in batch)))
+            else:
+                out.append(dataclasses.replace(
+                    batch[0],
+                    requests=tuple(b.requests[0] for b in batch),
+                    first_dims=tuple(d for b in batch for d in b.first_dims),
+                ))
+            batch.clear()
+
+        for item in items:
+            nbytes = item.requests[0].nbytes
+            if op == "allgather":
+                nbytes = nbytes // max(item.requests[0].shape[0], 1) * sum(item.first_dims[0])
+            if batch and (self.fusion_threshold == 0 or total + nbytes > self.fusion_threshold):
+                flush()
+                total = 0
+            batch.append(item)
+            total += nbytes
+        flush()
+        return out
+
+    def stalled(self, warn_after: float, fail_after: float) -> tuple[list[str], str]:
+        """Warnings for names waiting past ``warn_after`` s; a fatal message past ``fail_after``."""
+        now = time.monotonic()
+        warnings: list[str] = []
+        for key, since in self.first_seen.items():
+            waited = now - since
+            slot = self.table[key]
+            missing = sorted(set(self.members(key[0])) - set(slot) - set(self.joined))
+            text = (
+                f"tensor {key[1]!r} has waited {waited:.0f} s: submitted by ranks "
+                f"{sorted(slot)}, missing ranks {missing}"
+            )
+            if fail_after and waited > fail_after:
+                return warnings, (
+                    f"stall: {text}; the missing ranks never submitted it (a rank skipped a "
+                    f"collective or is stuck). RINGFLOW_STALL_SHUTDOWN_S sets this limit."
+                )
+            if warn_after and waited > warn_after and key not in self.warned:
+                self.warned.add(key)
+                warnings.append(text)
+        return warnings, ""
+
+
+_COMPARED = ("op", "dtype", "reduce_op", "root", "prescale", "postscale", "compression",
+             "device", "group", "group_size")
+
+
+def validate(name: str, slot: dict[int, Request]) -> tuple[str, str] | None:
+    """(error class name, message) if the ranks' requests for ``name`` disagree, else None."""
+    for rank in sorted(slot):
+        if slot[rank].error:
+            return "TensorError", f"rank {rank}: {slot[rank].error}"
+    fields: list[tuple[str, Callable[[Request], object]]] = [
+        (f, lambda r, f=f: getattr(r, f)) for f in _COMPARED
+    ]
+    op = slot[min(slot)].op
+    if op in ("allgather", "alltoall"):
+        fields.append(("shape[1:]", lambda r: r.shape[1:]))
+    else:
+        fields.append(("shape", lambda r: r.shape))
+    for field, get in fields:
+        values: dict[object, list[int]] = {}
+        for rank in sorted(slot):
+            values.setdefault(get(slot[rank]), []).append(rank)
+        if len(values) > 1:
+            parts = "; ".join(f"{v!r} on rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}"
+                              for v, rs in values.items())
+            hint = ""
+            if ".noname." in name:
+                hint = (" (unnamed tensors are matched by call order; pass name= so that ranks "
+                        "issuing collectives in different orders pair them correctly)")
+            return "MismatchError", f"ranks disagree on {field} of tensor {name!r}: {parts}{hint}"
+    return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _error(req: Request, message: str, error_type: str) -> Response:
+    return Response(req.op, req.process_set, (req,), error=message, error_type=error_type)

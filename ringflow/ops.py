@@ -1,0 +1,89 @@
+"""Reduce operations and the dtypes ringflow moves.
+
+The enum values are Horovod's (``Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5``) so that
+constants pickled or compared by Horovod users keep their meaning.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import ml_dtypes
+import numpy as np
+
+from .errors import TensorError
+
+__all__ = [
+    "BFLOAT16",
+    "DTYPES",
+    "Adasum",
+    "Average",
+    "Max",
+    "Min",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "check_dtype",
+    "is_float16ish",
+    "ufunc",
+]
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+#: Every dtype a collective accepts, by name (the name travels in negotiation).
+DTYPES: dict[str, np.dtype] = {
+    d.name: d
+    for d in map(
+        np.dtype,
+        [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64,
+         np.float16, BFLOAT16, np.float32, np.float64],
+    )
+}
+
+
+class ReduceOp(enum.IntEnum):
+    AVERAGE = 0
+    SUM = 1
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
+
+
+Average, Sum, Adasum, Min, Max, Product = (
+    ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT,
+)
+
+_UFUNC = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVERAGE: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
+
+
+def ufunc(op: ReduceOp) -> np.ufunc:
+    """The elementwise ufunc that combines two contributions under ``op``."""
+    try:
+        return _UFUNC[op]
+    except KeyError:
+        raise TensorError(
+            f"reduce op {ReduceOp(op).name} is not supported by ringflow; use Sum or Average"
+        ) from None
+
+
+def check_dtype(dtype: np.dtype, what: str = "tensor") -> np.dtype:
+    """Return ``dtype`` if ringflow can move it, else raise TensorError naming the choices."""
+    dtype = np.dtype(dtype)
+    if dtype.name not in DTYPES or DTYPES[dtype.name] != dtype:
+        raise TensorError(
+            f"{what} has dtype {dtype}, which ringflow cannot reduce or move; "
+            f"supported: {', '.join(DTYPES)}"
+        )
+    return dtype
+
+
+def is_float16ish(dtype: np.dtype) -> bool:
+    """16-bit floats, whose sums ringflow accumulates in float32."""
+    return dtype == np.float16 or dtype == BFLOAT16

@@ -1,0 +1,876 @@
+"""The rendezvous key-value :class:`Store`: how the ranks of a job find each other.
+
+A store maps string keys to byte values. Ranks publish what others need (listening addresses, NCCL
+unique ids) with ``set``, block on what they need with ``get`` / ``wait``, and count arrivals with
+``add``. Three implementations share the semantics below:
+
+* :class:`MemoryStore` -- one process, ranks as threads (tests, ``ringflow.testing.run_ranks``).
+* :class:`FileStore` -- a directory shared by the processes of one host.
+* :class:`TCPStore` -- a client of a :class:`StoreServer` (started by ``ringflow-run``), which holds
+  the data; every connection proves knowledge of the per-job secret first.
+
+Semantics (every store):
+
+* keys are non-empty ``str`` of at most 4 KiB in UTF-8; values are bytes of at most 64 MiB.
+* ``get`` / ``wait`` block until the key(s) exist; past the timeout (``None`` = the store's
+  default) they raise :class:`RingflowTimeoutError` naming the missing keys. A ``set`` releases a
+  waiter within milliseconds (a Condition in memory and on the server; the file store polls at
+  1, 2, 4, 5, 5, ... ms).
+* ``add`` treats a missing key as 0 and stores the sum as decimal ASCII (``b"3"``), so ``get`` of a
+  counter returns its text; a value that is not an integer raises :class:`ConfigError`. Counters
+  are signed 64-bit. ``add`` is atomic: in memory and on the server under one lock, in a file store
+  under ``fcntl.flock`` on ``<dir>/.lock`` (across processes).
+* ``close`` wakes waiters of the same store with :class:`ShutdownError`; later calls raise it too.
+
+Wire format of :class:`TCPStore` (after :func:`ringflow.wire.server_handshake`; each message is one
+:func:`ringflow.wire.send_frame` frame; integers big-endian; no pickle)::
+
+    request  : op u8 | timeout_s f64 | amount i64 | nkeys u32 | nkeys x (len u32 | key) | value
+    response : status u8 | payload
+
+Keys are UTF-8. Ops: 1 SET (1 key, value), 2 GET (1 key; payload = value), 3 WAIT (any keys),
+4 ADD (1 key, ``amount``; payload = new value as i64), 5 DELETE (1 key; payload = 1 byte, 1 if it
+existed).
+Status 0 is success; 1 timeout, 2 bad value, 3 protocol error, 4 shutdown carry a UTF-8 message
+that the client raises as RingflowTimeoutError, ConfigError, ProtocolError, ShutdownError. A
+request frame over 64 MiB + 1 MiB, a malformed request or an unknown op is logged, answered with
+status 3 and the connection closed; a failed handshake closes it at once. Either way the server
+goes on serving its other clients. A server thread waits for a key no longer than the client's
+timeout, and stops early when the client disconnects or the server closes.
+
+Cost: one round trip per call; a TCPStore serialises its calls (one lock, one connection). The
+server runs one thread per connection, so a slow or silent client delays nobody else; the
+handshake and each request must arrive within the server's ``timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import math
+import os
+import selectors
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol, TypeVar, runtime_checkable
+
+from .errors import (
+    AuthenticationError,
+    ConfigError,
+    PeerError,
+    ProtocolError,
+    RingflowError,
+    RingflowTimeoutError,
+    ShutdownError,
+)
+from .wire import client_handshake, recv_frame, send_frame, server_handshake
+
+__all__ = [
+    "FileStore",
+    "MemoryStore",
+    "Store",
+    "StoreServer",
+    "TCPStore",
+    "connect",
+    "read_secret",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_BYTES = 4096
+MAX_VALUE_BYTES = 64 * 1024 * 1024
+_MAX_FRAME = MAX_VALUE_BYTES + 1024 * 1024
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_NAMES_SHOWN = 10
+#: The file store's polling interval grows from 1 ms to this, so a set is seen within ~5 ms
+#: while an idle waiter costs ~200 stat calls a second.
+_POLL_MAX_S = 0.005
+#: How often a server thread waiting for a key checks that its client is still connected.
+_PEER_CHECK_S = 0.5
+
+_SET, _GET, _WAIT, _ADD, _DELETE = 1, 2, 3, 4, 5
+_OP_NAMES = {_SET: "set", _GET: "get", _WAIT: "wait", _ADD: "add", _DELETE: "delete"}
+_OK, _ERR_TIMEOUT, _ERR_VALUE, _ERR_PROTOCOL, _ERR_SHUTDOWN = 0, 1, 2, 3, 4
+_ERRORS: dict[int, type[RingflowError]] = {
+    _ERR_TIMEOUT: RingflowTimeoutError,
+    _ERR_VALUE: ConfigError,
+    _ERR_PROTOCOL: ProtocolError,
+    _ERR_SHUTDOWN: ShutdownError,
+}
+_HEAD = struct.Struct("!BdqI")
+_U32 = struct.Struct("!I")
+_I64 = struct.Struct("!q")
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A key-value store shared by the ranks of a job."""
+
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key``, replacing any value, and wake its waiters."""
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of ``key``, waiting until it exists. Raises RingflowTimeoutError."""
+
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        """Return when every key exists. Raises RingflowTimeoutError listing the missing keys."""
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the counter ``key`` (missing = 0); return the new value."""
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True if it existed."""
+
+    def close(self) -> None:
+        """Release the store's resources; idempotent."""
+
+
+_C = TypeVar("_C", bound="_Base")
+
+
+class _Base:
+    """The default timeout (``None`` resolves to it) and ``with``-statement support."""
+
+    def __init__(self, timeout: float) -> None:
+        self._timeout = _check_timeout(timeout)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _resolve(self, timeout: float | None) -> float:
+        return self._timeout if timeout is None else _check_timeout(timeout)
+
+
+class MemoryStore(_Base):
+    """A thread-safe store inside one process."""
+
+    def __init__(self, timeout: float = 30.0) -> None:
+        super().__init__(timeout)
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def set(self, key: str, value: bytes) -> None:
+        key, value = _check_key(key), _check_value(key, value)
+        with self._cond:
+            self._check_open()
+            self._data[key] = value
+            self._cond.notify_all()
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        return self._get(key, timeout)
+
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        self._wait(keys, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        key, amount = _check_key(key), _check_amount(key, amount)
+        with self._cond:
+            self._check_open()
+            total = _counter(key, self._data.get(key, b"0"), amount)
+            self._data[key] = str(total).encode()
+            self._cond.notify_all()
+            return total
+
+    def delete(self, key: str) -> bool:
+        key = _check_key(key)
+        with self._cond:
+            self._check_open()
+            return self._data.pop(key, None) is not None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _get(
+        self, key: str, timeout: float | None, abandoned: Callable[[], bool] | None = None
+    ) -> bytes:
+        key = _check_key(key)
+        with self._cond:
+            self._wait_locked([key], self._resolve(timeout), abandoned)
+            return self._data[key]
+
+    def _wait(
+        self,
+        keys: Sequence[str],
+        timeout: float | None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> None:
+        keys = _check_keys(keys)
+        with self._cond:
+            self._wait_locked(keys, self._resolve(timeout), abandoned)
+
+    def _wait_locked(
+        self, keys: list[str], timeout: float, abandoned: Callable[[], bool] | None
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_open()
+            missing = [k for k in keys if k not in self._data]
+            if not missing:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RingflowTimeoutError(_not_set(missing, len(keys), timeout))
+            if abandoned is not None:
+                if abandoned():
+                    raise PeerError("the client disconnected while waiting for a key")
+                left = min(left, _PEER_CHECK_S)
+            self._cond.wait(left)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShutdownError("the rendezvous store was closed; create a new one")
+
+
+class FileStore(_Base):
+    """A store in a directory shared by the processes of one host (created with mode 0o700).
+
+    Each key is one file, written to a temporary name and renamed into place, so readers see the
+    old value or the new one, never a partial write. ``add`` needs ``fcntl`` (POSIX).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], timeout: float = 30.0) -> None:
+        super().__init__(timeout)
+        self.path = os.fspath(path)
+        self._closed = False
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            mode = os.stat(self.path).st_mode
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the file store directory {self.path!r}: {exc}; "
+                "pass a writable path on a local file system"
+            ) from exc
+        if os.name == "posix" and mode & 0o022:
+            log.warning(
+                "file store directory %s is writable by other users (mode %o); "
+                "use a private directory (mode 0o700)", self.path, mode & 0o777,
+            )
+
+    def set(self, key: str, value: bytes) -> None:
+        key, value = _check_key(key), _check_value(key, value)
+        self._check_open()
+        self._write(self._file(key), value)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        key = _check_key(key)
+        self._check_open()
+        wait_s = self._resolve(timeout)
+        name = self._file(key)
+        for _ in _polls(wait_s):
+            with contextlib.suppress(FileNotFoundError):
+                return self._read(name)
+            self._check_open()
+        raise RingflowTimeoutError(_not_set([key], 1, wait_s))
+
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        missing = _check_keys(keys)
+        self._check_open()
+        wait_s = self._resolve(timeout)
+        for _ in _polls(wait_s):
+            missing = [k for k in missing if not os.path.exists(self._file(k))]
+            if not missing:
+                return
+            self._check_open()
+        raise RingflowTimeoutError(_not_set(missing, len(keys), wait_s))
+
+    def add(self, key: str, amount: int) -> int:
+        key, amount = _check_key(key), _check_amount(key, amount)
+        self._check_open()
+        name = self._file(key)
+        with self._locked():
+            try:
+                old = self._read(name)
+            except FileNotFoundError:
+                old = b"0"
+            total = _counter(key, old, amount)
+            self._write(name, str(total).encode())
+        return total
+
+    def delete(self, key: str) -> bool:
+        key = _check_key(key)
+        self._check_open()
+        try:
+            os.unlink(self._file(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _file(self, key: str) -> str:
+        # Hex keeps any key a valid, case-insensitive-safe file name; long keys are hashed to fit
+        # the usual 255-byte name limit. The prefixes keep the two forms and ".tmp-" apart.
+        raw = key.encode()
+        name = "k" + raw.hex() if len(raw) <= 100 else "h" + hashlib.sha256(raw).hexdigest()
+        return os.path.join(self.path, name)
+
+    def _read(self, name: str) -> bytes:
+        with open(name, "rb") as f:
+            return f.read()
+
+    def _write(self, name: str, value: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(value)
+            os.replace(tmp, name)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        try:
+            import fcntl
+        except ImportError as exc:
+            raise ConfigError(
+                "FileStore.add needs fcntl, which this platform lacks; use a TCPStore "
+                "(ringflow-run starts its server) or a MemoryStore"
+            ) from exc
+        fd = os.open(os.path.join(self.path, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShutdownError(f"the file store at {self.path} was closed; create a new one")
+
+
+class StoreServer(_Base):
+    """Holds a job's key-value data and serves it to authenticated :class:`TCPStore` clients.
+
+    ``port=0`` picks a free port; read it from ``.port``. ``timeout`` bounds the handshake and the
+    arrival of each request (not the idle time between requests of an authenticated client).
+    """
+
+    def __init__(
+        self, secret: bytes, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0
+    ) -> None:
+        super().__init__(timeout)
+        self._secret = _check_secret(secret)
+        self._store = MemoryStore(self._timeout)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=128)
+        except OSError as exc:
+            raise ConfigError(
+                f"the rendezvous store cannot listen on {host}:{port}: {exc}; "
+                "choose another address or port (0 picks a free one)"
+            ) from exc
+        self._listener.setblocking(False)
+        self.host: str = self._listener.getsockname()[0]
+        self.port: int = self._listener.getsockname()[1]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._closed = False
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"ringflow-store-{self.port}", daemon=True
+        )
+        self._acceptor.start()
+
+    def close(self) -> None:
+        """Stop accepting, wake waiting clients, close every connection; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = dict(self._conns)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._acceptor.join(timeout=5.0)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+        self._store.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 2.0
+        for thread in conns.values():
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+
+    def _accept_loop(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select():
+                    if key.fileobj is self._wake_r:
+                        return
+                    try:
+                        conn, addr = self._listener.accept()
+                    except OSError:  # the client gave up before we accepted it
+                        continue
+                    self._start(conn, addr)
+
+    def _start(self, conn: socket.socket, addr: object) -> None:
+        peer = _format_addr(addr)
+        thread = threading.Thread(
+            target=self._serve_and_close, args=(conn, peer),
+            name=f"ringflow-store-{self.port}-{peer}", daemon=True,
+        )
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            self._conns[conn] = thread
+        thread.start()
+
+    def _serve_and_close(self, conn: socket.socket, peer: str) -> None:
+        try:
+            self._serve(conn, peer)
+        except (RingflowError, OSError) as exc:
+            log.debug("rendezvous store %s: connection from %s ended: %s", self.port, peer, exc)
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.pop(conn, None)
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            server_handshake(conn, self._secret, self._timeout)
+        except (RingflowError, OSError) as exc:
+            self._reject(peer, "failed the handshake", exc)
+            return
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            conn.settimeout(None)  # an authenticated client may be idle between requests ...
+            if not conn.recv(1, socket.MSG_PEEK):
+                return  # closed cleanly between requests
+            conn.settimeout(self._timeout)  # ... but not stall in the middle of one
+            try:
+                request = _decode_request(recv_frame(conn, _MAX_FRAME))
+            except ProtocolError as exc:
+                self._reject(peer, "sent a malformed request", exc)
+                with contextlib.suppress(RingflowError, OSError):
+                    send_frame(conn, [bytes([_ERR_PROTOCOL]), str(exc).encode()])
+                return
+            except (RingflowError, OSError) as exc:
+                self._reject(peer, "broke off in the middle of a request", exc)
+                return
+            status, payload = self._execute(conn, *request)
+            send_frame(conn, [bytes([status]), payload])
+
+    def _execute(
+        self, conn: socket.socket, op: int, timeout: float, amount: int, keys: list[str],
+        value: bytes,
+    ) -> tuple[int, bytes]:
+        store = self._store
+        gone = functools.partial(_peer_gone, conn)
+        try:
+            if op == _SET:
+                store.set(keys[0], value)
+                return _OK, b""
+            if op == _GET:
+                return _OK, store._get(keys[0], timeout, gone)
+            if op == _WAIT:
+                store._wait(keys, timeout, gone)
+                return _OK, b""
+            if op == _ADD:
+                return _OK, _I64.pack(store.add(keys[0], amount))
+            return _OK, b"\x01" if store.delete(keys[0]) else b"\x00"
+        except RingflowTimeoutError as exc:
+            return _ERR_TIMEOUT, str(exc).encode()
+        except ConfigError as exc:
+            return _ERR_VALUE, str(exc).encode()
+        except ShutdownError:
+            return _ERR_SHUTDOWN, b"the rendezvous store server is shutting down"
+
+    def _reject(self, peer: str, what: str, exc: BaseException) -> None:
+        if self._closed:
+            log.debug("rendezvous store %s: %s %s during shutdown: %s", self.port, peer, what, exc)
+        else:
+            log.error(
+                "rendezvous store %s:%s: the connection from %s %s and was closed: %s",
+                self.host, self.port, peer, what, exc,
+            )
+
+
+class TCPStore(_Base):
+    """A :class:`Store` served by a :class:`StoreServer`; thread-safe (one request at a time).
+
+    Connecting retries a refused connection until ``timeout`` (the server may start a moment
+    after its clients). Raises PeerError if the server cannot be reached, AuthenticationError if
+    it does not accept ``secret``.
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout: float = 30.0) -> None:
+        super().__init__(timeout)
+        self.host, self.port = host, port
+        secret = _check_secret(secret)
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = self._connect(secret)
+
+    def set(self, key: str, value: bytes) -> None:
+        key = _check_key(key)
+        self._call(_SET, [key], 0.0, 0, _check_value(key, value))
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        return self._call(_GET, [_check_key(key)], self._resolve(timeout))
+
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        self._call(_WAIT, _check_keys(keys), self._resolve(timeout))
+
+    def add(self, key: str, amount: int) -> int:
+        key = _check_key(key)
+        (total,) = _I64.unpack(self._call(_ADD, [key], 0.0, _check_amount(key, amount)))
+        return total
+
+    def delete(self, key: str) -> bool:
+        return self._call(_DELETE, [_check_key(key)]) == b"\x01"
+
+    def close(self) -> None:
+        # Without the lock, so that close() from another thread interrupts a waiting get().
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _connect(self, secret: bytes) -> socket.socket:
+        where = f"the rendezvous store at {self.host}:{self.port}"
+        deadline = time.monotonic() + self._timeout
+        delay = 0.01
+        while True:
+            try:
+                sock = socket.create_connection(
+                    (self.host, self.port), timeout=max(deadline - time.monotonic(), 0.01)
+                )
+                break
+            except OSError as exc:
+                if isinstance(exc, socket.gaierror) or time.monotonic() + delay > deadline:
+                    raise PeerError(
+                        f"cannot connect to {where} within {self._timeout:g} s: {exc}; check "
+                        "RINGFLOW_RENDEZVOUS_ADDR / RINGFLOW_RENDEZVOUS_PORT and that the "
+                        "launcher is still running"
+                    ) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_handshake(sock, secret, self._timeout)
+        except (AuthenticationError, ProtocolError, RingflowTimeoutError):
+            sock.close()
+            raise
+        except (PeerError, OSError) as exc:
+            # The server closes the connection, without a word, on a client MAC it rejects.
+            sock.close()
+            raise AuthenticationError(
+                f"{where} closed the connection during the handshake, which it does when the "
+                "client's secret differs from the job's; use the secret of the job that started "
+                f"this store (RINGFLOW_SECRET_FD / RINGFLOW_SECRET_FILE) ({exc})"
+            ) from exc
+        return sock
+
+    def _call(
+        self, op: int, keys: list[str], timeout: float = 0.0, amount: int = 0, value: bytes = b""
+    ) -> bytes:
+        parts = [_HEAD.pack(op, timeout, amount, len(keys))]
+        for key in keys:
+            raw = key.encode()
+            parts += [_U32.pack(len(raw)), raw]
+        parts.append(value)
+        what = f"{_OP_NAMES[op]} {keys[0]!r}" if len(keys) == 1 else f"wait for {len(keys)} keys"
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise PeerError(
+                    f"{what}: the connection to the rendezvous store at {self.host}:{self.port} "
+                    "is closed; create a new TCPStore"
+                )
+            try:
+                # The server answers a wait no later than its timeout; allow as much again.
+                sock.settimeout(timeout + self._timeout)
+                send_frame(sock, parts)
+                frame = recv_frame(sock, _MAX_FRAME)
+            except (RingflowError, OSError) as exc:
+                self.close()
+                kind = RingflowTimeoutError if isinstance(exc, RingflowTimeoutError) else PeerError
+                raise kind(
+                    f"{what}: the rendezvous store at {self.host}:{self.port} did not answer: "
+                    f"{exc}; the launcher (which runs the store) may have exited"
+                ) from exc
+            if not frame:
+                self.close()
+                raise ProtocolError(f"{what}: the rendezvous store sent an empty response")
+            if frame[0] == _OK:
+                return bytes(frame[1:])
+            if frame[0] == _ERR_PROTOCOL:
+                self.close()  # the server closes the connection after a protocol error
+            message = bytes(frame[1:]).decode("utf-8", "replace")
+            raise _ERRORS.get(frame[0], ProtocolError)(message)
+
+
+_SECRETS: dict[tuple[str, str], bytes] = {}
+_SECRETS_LOCK = threading.Lock()
+_MAX_SECRET_TEXT = 64 * 1024
+
+
+def read_secret(environ: Mapping[str, str] | None = None) -> bytes:
+    """The per-job secret, from ``RINGFLOW_SECRET_FD`` or else ``RINGFLOW_SECRET_FILE``.
+
+    Either holds the secret as hex text with an optional trailing newline; a descriptor is read to
+    its end (the writer must close its side) and then closed. The result is cached per source (a
+    descriptor can be read only once). Raises ConfigError if neither variable is set or the source
+    cannot be read or parsed.
+    """
+    env = os.environ if environ is None else environ
+    for var in ("RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE"):
+        source = env.get(var, "")
+        if source:
+            break
+    else:
+        raise ConfigError(
+            "no job secret: neither RINGFLOW_SECRET_FD nor RINGFLOW_SECRET_FILE is set; start "
+            "this process with ringflow-run or ringflow.run, which pass the secret to each "
+            "worker, or set one of them to a descriptor / file holding the secret in hex"
+        )
+    with _SECRETS_LOCK:
+        if (var, source) not in _SECRETS:
+            text = _read_fd(source) if var == "RINGFLOW_SECRET_FD" else _read_file(source)
+            _SECRETS[var, source] = _parse_secret(var, source, text)
+        return _SECRETS[var, source]
+
+
+def connect(environ: Mapping[str, str] | None = None, timeout: float = 30.0) -> TCPStore:
+    """A :class:`TCPStore` to the store named by the launcher's environment variables."""
+    env = os.environ if environ is None else environ
+    host = env.get("RINGFLOW_RENDEZVOUS_ADDR", "")
+    port_text = env.get("RINGFLOW_RENDEZVOUS_PORT", "")
+    if not host or not port_text:
+        raise ConfigError(
+            "RINGFLOW_RENDEZVOUS_ADDR and RINGFLOW_RENDEZVOUS_PORT must both be set (got "
+            f"{host!r} and {port_text!r}); start this process with ringflow-run or ringflow.run"
+        )
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ConfigError(
+            f"RINGFLOW_RENDEZVOUS_PORT={port_text!r} is not a port number (1 to 65535)"
+        )
+    return TCPStore(host, port, read_secret(env), timeout)
+
+
+def _read_fd(source: str) -> bytes:
+    try:
+        fd = int(source)
+    except ValueError:
+        raise ConfigError(
+            f"RINGFLOW_SECRET_FD={source!r} is not a file descriptor number"
+        ) from None
+    chunks: list[bytes] = []
+    try:
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+            if sum(map(len, chunks)) > _MAX_SECRET_TEXT:
+                break
+    except OSError as exc:
+        raise ConfigError(
+            f"RINGFLOW_SECRET_FD={source}: cannot read descriptor {fd}: {exc}; it must be "
+            "inherited from ringflow-run or ringflow.run (and is readable only once)"
+        ) from exc
+    if fd > 2:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    return b"".join(chunks)
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            if os.name == "posix" and os.fstat(f.fileno()).st_mode & 0o077:
+                log.warning("secret file %s is readable by other users; make it mode 0o600", path)
+            return f.read(_MAX_SECRET_TEXT + 1)
+    except OSError as exc:
+        raise ConfigError(f"RINGFLOW_SECRET_FILE={path!r} cannot be read: {exc}") from exc
+
+
+def _parse_secret(var: str, source: str, text: bytes) -> bytes:
+    try:
+        secret = bytes.fromhex(text.strip().decode("ascii"))
+    except ValueError:  # UnicodeDecodeError is a ValueError
+        secret = b""
+    if not secret:
+        # Never echo the content: it may be a secret in the wrong format.
+        raise ConfigError(
+            f"{var}={source!r} does not hold a secret as hex text ({len(text)} bytes read); "
+            "it must be written by ringflow-run or ringflow.run"
+        )
+    return secret
+
+
+def _decode_request(frame: bytearray) -> tuple[int, float, int, list[str], bytes]:
+    if len(frame) < _HEAD.size:
+        raise ProtocolError(
+            f"a request of {len(frame)} bytes is shorter than the {_HEAD.size}-byte header"
+        )
+    op, timeout, amount, nkeys = _HEAD.unpack_from(frame)
+    if op not in _OP_NAMES:
+        raise ProtocolError(
+            f"unknown request opcode {op} (known: {sorted(_OP_NAMES)}); are the client and the "
+            "server from the same ringflow version?"
+        )
+    if not (timeout >= 0.0 and math.isfinite(timeout)):
+        raise ProtocolError(f"a {_OP_NAMES[op]} request carries the timeout {timeout!r}")
+    if (op != _WAIT and nkeys != 1) or nkeys > (len(frame) - _HEAD.size) // _U32.size:
+        raise ProtocolError(f"a {_OP_NAMES[op]} request claims {nkeys} keys")
+    pos, keys = _HEAD.size, []
+    for _ in range(nkeys):
+        if pos + _U32.size > len(frame):
+            raise ProtocolError(f"a {_OP_NAMES[op]} request ends inside its key list")
+        (size,) = _U32.unpack_from(frame, pos)
+        pos += _U32.size
+        if not 0 < size <= MAX_KEY_BYTES or pos + size > len(frame):
+            raise ProtocolError(f"a key of a {_OP_NAMES[op]} request has a bad length ({size})")
+        try:
+            keys.append(frame[pos : pos + size].decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ProtocolError(f"a key of a {_OP_NAMES[op]} request is not UTF-8") from exc
+        pos += size
+    value = bytes(frame[pos:])
+    if op != _SET and value:
+        raise ProtocolError(f"a {_OP_NAMES[op]} request has {len(value)} stray bytes")
+    if len(value) > MAX_VALUE_BYTES:
+        raise ProtocolError(f"a value of {len(value)} bytes exceeds {MAX_VALUE_BYTES}")
+    return op, timeout, amount, keys, value
+
+
+def _peer_gone(conn: socket.socket) -> bool:
+    """Whether the client of ``conn`` has closed its side (checked without blocking)."""
+    timeout = conn.gettimeout()
+    conn.setblocking(False)
+    try:
+        return not conn.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        conn.settimeout(timeout)
+
+
+def _polls(timeout: float) -> Iterator[None]:
+    """Yield at once, then after sleeps of 1, 2, 4, 5, 5, ... ms, the last one at the deadline."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        yield
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, _POLL_MAX_S)
+
+
+def _not_set(missing: list[str], total: int, timeout: float) -> str:
+    names = ", ".join(repr(k) for k in missing[:_NAMES_SHOWN])
+    if len(missing) > _NAMES_SHOWN:
+        names += f" and {len(missing) - _NAMES_SHOWN} more"
+    what = (
+        f"store key {names} was not set" if total == 1
+        else f"{len(missing)} of {total} store keys were not set (missing: {names})"
+    )
+    return (
+        f"{what} within {timeout:g} s; the process that sets it may have failed (see its log) "
+        "or needs longer: raise RINGFLOW_TIMEOUT_S"
+    )
+
+
+def _counter(key: str, old: bytes, amount: int) -> int:
+    try:
+        total = int(old) + amount
+    except ValueError:
+        raise ConfigError(
+            f"store key {key!r} holds {old[:32]!r}, which is not an integer counter; add() works "
+            "on keys that are missing or hold a decimal integer (as written by add())"
+        ) from None
+    if not _I64_MIN <= total <= _I64_MAX:
+        raise ConfigError(f"add({key!r}, {amount}) would leave the signed 64-bit range")
+    return total
+
+
+def _check_key(key: object) -> str:
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"a store key must be a non-empty str, not {key!r}")
+    try:
+        size = len(key.encode())
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"store key {key!r} cannot be encoded as UTF-8") from exc
+    if size > MAX_KEY_BYTES:
+        raise ConfigError(
+            f"store key {key[:40]!r}... is {size} bytes of UTF-8; the limit is {MAX_KEY_BYTES}"
+        )
+    return key
+
+
+def _check_keys(keys: object) -> list[str]:
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise ConfigError(f"wait() takes a list of keys, not {keys!r}; write wait([key])")
+    return [_check_key(k) for k in keys]
+
+
+def _check_value(key: str, value: object) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ConfigError(
+            f"the value for store key {key!r} must be bytes, not {type(value).__name__}; "
+            "encode it first"
+        )
+    value = bytes(value)
+    if len(value) > MAX_VALUE_BYTES:
+        raise ConfigError(
+            f"the value for store key {key!r} is {len(value)} bytes; the limit is "
+            f"{MAX_VALUE_BYTES} (a store carries addresses and ids, not tensors)"
+        )
+    return value
+
+
+def _check_amount(key: str, amount: object) -> int:
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise ConfigError(f"add({key!r}, {amount!r}): the amount must be an int")
+    if not _I64_MIN <= amount <= _I64_MAX:
+        raise ConfigError(f"add({key!r}, {amount}): the amount exceeds the signed 64-bit range")
+    return amount
+
+
+def _check_timeout(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ConfigError(f"a store timeout must be a number of seconds, not {timeout!r}")
+    if not (timeout >= 0 and math.isfinite(timeout)):
+        raise ConfigError(f"the store timeout {timeout!r} must be a finite number of seconds >= 0")
+    return float(timeout)
+
+
+def _check_secret(secret: object) -> bytes:
+    if not isinstance(secret, (bytes, bytearray)) or not secret:
+        raise ConfigError(
+            "the job secret must be non-empty bytes (see ringflow.wire.new_secret and read_secret)"
+        )
+    return bytes(secret)
+
+
+def _format_addr(addr: object) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr)

@@ -1,0 +1,9 @@
+"""``python -m ringflow.runner`` is ``ringflow-run``."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

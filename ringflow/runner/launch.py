@@ -1,0 +1,451 @@
+"""Start, supervise and stop the workers of one job on this host.
+
+:func:`run_job` is the whole life of a job: it generates a secret, starts a rendezvous
+``StoreServer`` on 127.0.0.1 (a single-host job never listens beyond loopback), starts one process
+per :class:`~ringflow.runner.hosts.WorkerSpec` with the environment contract of DESIGN.md section 5,
+relays their output, and waits. ``ringflow-run`` (:mod:`ringflow.runner.cli`) and
+:func:`ringflow.testing.spawn_ranks` both call it; a future ``ringflow.run(fn, np)`` can too.
+
+Each worker
+    * runs ``command`` as given (an argv list, never through a shell), with ``stdin`` from
+      ``/dev/null``;
+    * gets ``os.environ`` (or ``base_env``) plus ``RINGFLOW_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE,
+      _CROSS_RANK, _CROSS_SIZE, _HOSTNAME, _RENDEZVOUS_ADDR, _RENDEZVOUS_PORT, _JOB_ID,
+      _LAUNCHER_PID`` and ``RINGFLOW_SECRET_FD``: the number of an inherited pipe from which it
+      reads the secret as hex text and a newline. The secret is never in an argv, an environment
+      value, or a log line;
+    * leads its own session (``setsid``), so a signal reaches the worker and the processes it
+      started, and a Ctrl-C in the launcher's terminal reaches only the launcher, which forwards it;
+    * on Linux, is killed (``PR_SET_PDEATHSIG``) when the launcher's thread that started it dies,
+      so a launcher killed with SIGKILL leaves no orphans. The launcher starts workers from the
+      calling thread; call :func:`run_job` from a thread that outlives the job.
+
+Output: every line a worker writes to stdout (stderr) is written to ``stdout`` (``stderr``) as
+``[rank]:line``. Bytes are split on ``\\n``; a final line without one is flushed at EOF; invalid
+UTF-8 is replaced, never fatal.
+
+Failure: the first worker to exit non-zero or by a signal is the job's *first failure*. Every other
+worker's session gets SIGTERM, then SIGKILL after ``grace_s``. The job's exit code is the first
+failure's (``128 + signal`` for a signal), 0 when every worker exits 0. A SIGINT or SIGTERM to the
+launcher (with ``handle_signals``) stops the workers the same way and gives ``128 + signal``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import IO
+
+from ..errors import ConfigError, LaunchError
+from .hosts import WorkerSpec, is_local
+
+__all__ = ["DEFAULT_GRACE_S", "JobResult", "LocalJob", "WorkerExit", "run_job", "worker_environ"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between SIGTERM and SIGKILL: long enough for a Python worker to run its ``finally``
+#: blocks and flush its output, short enough that a hung job does not outlive a Ctrl-C by much.
+DEFAULT_GRACE_S = 5.0
+#: Lines of a failed rank's stderr kept for the failure report.
+TAIL_LINES = 20
+_POLL_S = 0.02
+_PR_SET_PDEATHSIG = 1
+
+Command = Sequence[str] | Callable[[WorkerSpec], Sequence[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerExit:
+    """How one worker ended. ``returncode`` is Popen's: negative for a signal."""
+
+    rank: int
+    host: str
+    returncode: int
+    stderr_tail: tuple[str, ...] = ()
+
+    @property
+    def exit_status(self) -> int:
+        """The shell's view: the exit code, or ``128 + signal``."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    def describe(self) -> str:
+        if self.returncode < 0:
+            signame = _signame(-self.returncode)
+            return f"rank {self.rank} on host {self.host} was killed by signal {signame}"
+        return f"rank {self.rank} on host {self.host} exited with code {self.returncode}"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """The outcome of :func:`run_job`."""
+
+    returncode: int
+    exits: tuple[WorkerExit | None, ...]
+    first_failure: WorkerExit | None = None
+    #: The signal that stopped the launcher (SIGINT / SIGTERM), if one did.
+    stopped_by: int | None = None
+    #: Whether the deadline passed before every worker had exited.
+    timed_out: bool = False
+
+    @property
+    def unfinished(self) -> list[int]:
+        """Ranks that had not exited on their own when the job was stopped."""
+        return [r for r, e in enumerate(self.exits) if e is None]
+
+    def report(self, prog: str = "ringflow-run") -> str:
+        """The failure report for stderr; empty when the job succeeded."""
+        lines: list[str] = []
+        if self.first_failure is not None:
+            fail = self.first_failure
+            lines.append(f"{prog}: {fail.describe()}")
+            if fail.stderr_tail:
+                count = len(fail.stderr_tail)
+                noun = "line" if count == 1 else f"{count} lines"
+                lines.append(f"{prog}: last {noun} of rank {fail.rank}'s stderr:")
+                lines += [f"  {line}" for line in fail.stderr_tail]
+        if self.stopped_by is not None:
+            lines.append(
+                f"{prog}: received {_signame(self.stopped_by)}; stopped ranks {self.unfinished}"
+            )
+        if self.timed_out:
+            lines.append(f"{prog}: the deadline passed; stopped ranks {self.unfinished}")
+        return "\n".join(lines)
+
+
+def worker_environ(
+    spec: WorkerSpec,
+    *,
+    rendezvous_addr: str,
+    rendezvous_port: int,
+    job_id: str,
+    base_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of one worker (without ``RINGFLOW_SECRET_FD``, which is per process)."""
+    env = dict(os.environ if base_env is None else base_env)
+    for stale in ("RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE"):
+        env.pop(stale, None)
+    env.update({
+        "RINGFLOW_RANK": str(spec.rank),
+        "RINGFLOW_SIZE": str(spec.size),
+        "RINGFLOW_LOCAL_RANK": str(spec.local_rank),
+        "RINGFLOW_LOCAL_SIZE": str(spec.local_size),
+        "RINGFLOW_CROSS_RANK": str(spec.cross_rank),
+        "RINGFLOW_CROSS_SIZE": str(spec.cross_size),
+        "RINGFLOW_HOSTNAME": spec.host,
+        "RINGFLOW_RENDEZVOUS_ADDR": rendezvous_addr,
+        "RINGFLOW_RENDEZVOUS_PORT": str(rendezvous_port),
+        "RINGFLOW_JOB_ID": job_id,
+        "RINGFLOW_LAUNCHER_PID": str(os.getpid()),
+    })
+    return env
+
+
+class LocalJob:
+    """The worker processes of one job on this host: start, relay output, wait, stop.
+
+    ``stop(signum)`` only sets a flag, so it is safe to call from a signal handler or another
+    thread; :meth:`wait` acts on it.
+    """
+
+    def __init__(
+        self,
+        command: Command,
+        workers: Sequence[WorkerSpec],
+        *,
+        secret: bytes,
+        rendezvous: tuple[str, int],
+        job_id: str,
+        base_env: Mapping[str, str] | None = None,
+        stdout: IO[str] | None = None,
+        stderr: IO[str] | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
+    ) -> None:
+        remote = sorted({w.host for w in workers if not is_local(w.host)})
+        if remote:
+            raise LaunchError(
+                f"hosts {remote} are not this machine, and this ringflow-run starts workers on "
+                "this host only; use -H localhost:N"
+            )
+        self._command = command
+        self._workers = list(workers)
+        self._secret = secret
+        self._rendezvous = rendezvous
+        self._job_id = job_id
+        self._base_env = base_env
+        self._out = stdout if stdout is not None else sys.stdout
+        self._err = stderr if stderr is not None else sys.stderr
+        self._grace_s = grace_s
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._threads: list[threading.Thread] = []
+        self._tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in self._workers]
+        self._locks = {id(self._out): threading.Lock(), id(self._err): threading.Lock()}
+        self._stop_signal: int | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def stop(self, signum: int) -> None:
+        """Ask :meth:`wait` to stop every worker and report ``signum``."""
+        self._stop_signal = signum
+
+    def start(self) -> None:
+        """Start every worker; on any error, stop those already started.
+
+        Raises:
+            LaunchError: a worker could not be started (command not found, not executable, ...).
+        """
+        setup = _child_setup(os.getpid())
+        addr, port = self._rendezvous
+        try:
+            for spec in self._workers:
+                argv = list(self._command(spec) if callable(self._command) else self._command)
+                env = worker_environ(
+                    spec, rendezvous_addr=addr, rendezvous_port=port, job_id=self._job_id,
+                    base_env=self._base_env,
+                )
+                log.info("starting rank %d on %s: %s", spec.rank, spec.host, argv)
+                self._procs.append(self._spawn(spec, argv, env, setup))
+        except BaseException:
+            self._terminate(range(len(self._procs)))
+            raise
+        for spec, proc in zip(self._workers, self._procs, strict=True):
+            for stream, out, tail in (
+                (proc.stdout, self._out, None),
+                (proc.stderr, self._err, self._tails[spec.rank]),
+            ):
+                thread = threading.Thread(
+                    target=self._pump, args=(stream, spec.rank, out, tail),
+                    name=f"ringflow-run-rank{spec.rank}-output", daemon=True,
+                )
+                thread.start()
+                self._threads.append(thread)
+
+    def _spawn(
+        self,
+        spec: WorkerSpec,
+        argv: list[str],
+        env: dict[str, str],
+        setup: Callable[[], None] | None,
+    ) -> subprocess.Popen[bytes]:
+        read_fd, write_fd = os.pipe()
+        try:
+            # 65 bytes fit in any pipe buffer, so this write never blocks.
+            os.write(write_fd, (self._secret.hex() + "\n").encode("ascii"))
+            os.close(write_fd)
+            write_fd = -1
+            env["RINGFLOW_SECRET_FD"] = str(read_fd)
+            return subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, pass_fds=(read_fd,), start_new_session=True,
+                preexec_fn=setup, bufsize=0,
+            )
+        except OSError as exc:
+            raise LaunchError(
+                f"could not start rank {spec.rank} on {spec.host} with {argv}: {exc}; "
+                "check that the program exists and is executable"
+            ) from exc
+        finally:
+            os.close(read_fd)
+            if write_fd >= 0:
+                os.close(write_fd)
+
+    def _pump(
+        self, stream: IO[bytes], rank: int, out: IO[str], tail: collections.deque[str] | None
+    ) -> None:
+        lock = self._locks[id(out)]
+        prefix = f"[{rank}]:"
+        pending = b""
+        with contextlib.suppress(OSError, ValueError):
+            while chunk := stream.read(65536):
+                *lines, pending = (pending + chunk).split(b"\n")
+                self._emit(out, lock, prefix, lines, tail)
+        if pending:
+            self._emit(out, lock, prefix, [pending], tail)
+        with contextlib.suppress(OSError):
+            stream.close()
+
+    @staticmethod
+    def _emit(
+        out: IO[str],
+        lock: threading.Lock,
+        prefix: str,
+        lines: list[bytes],
+        tail: collections.deque[str] | None,
+    ) -> None:
+        if not lines:
+            return
+        text = [line.decode("utf-8", errors="replace") for line in lines]
+        if tail is not None:
+            tail.extend(text)
+        with lock, contextlib.suppress(OSError, ValueError):
+            out.write("".join(f"{prefix}{t}\n" for t in text))
+            out.flush()
+
+    def wait(self, timeout: float | None = None) -> JobResult:
+        """Wait until every worker exits, the first fails, :meth:`stop` is called, or ``timeout``
+        seconds pass; stop the rest; return the result. Any exception (KeyboardInterrupt included)
+        also stops every worker before it propagates."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        exits: list[WorkerExit | None] = [None] * len(self._procs)
+        first: WorkerExit | None = None
+        timed_out = False
+        try:
+            while True:
+                for rank, proc in enumerate(self._procs):
+                    if exits[rank] is None and (code := proc.poll()) is not None:
+                        exits[rank] = WorkerExit(rank, self._workers[rank].host, code)
+                        if code != 0 and first is None:
+                            first = exits[rank]
+                if first is not None or self._stop_signal is not None:
+                    break
+                if all(e is not None for e in exits):
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+                time.sleep(_POLL_S)
+        finally:
+            self._terminate([r for r, e in enumerate(exits) if e is None])
+            self._join_output()
+        if first is not None:
+            first = dataclasses.replace(first, stderr_tail=tuple(self._tails[first.rank]))
+            code = first.exit_status
+        elif self._stop_signal is not None:
+            code = 128 + self._stop_signal
+        elif timed_out:
+            code = 124  # what timeout(1) returns
+        else:
+            code = 0
+        return JobResult(code, tuple(exits), first, self._stop_signal, timed_out)
+
+    def _terminate(self, ranks: Sequence[int] | range) -> None:
+        """SIGTERM the sessions of ``ranks``; SIGKILL what is left after the grace period."""
+        running = [r for r in ranks if self._procs[r].poll() is None]
+        if running:
+            log.info("stopping ranks %s", running)
+        for rank in running:
+            _killpg(self._procs[rank], signal.SIGTERM)
+        end = time.monotonic() + self._grace_s
+        while running and time.monotonic() < end:
+            running = [r for r in running if self._procs[r].poll() is None]
+            time.sleep(_POLL_S)
+        for rank in running:
+            _killpg(self._procs[rank], signal.SIGKILL)
+        for rank in running:
+            self._procs[rank].wait()
+
+    def _join_output(self) -> None:
+        # A grandchild that inherited the pipes can hold them open after its worker is gone;
+        # wait briefly for the last lines, then give up on it (the threads are daemons).
+        end = time.monotonic() + 2.0
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
+
+
+def run_job(
+    command: Command,
+    workers: Sequence[WorkerSpec],
+    *,
+    base_env: Mapping[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    start_timeout_s: float = 30.0,
+    timeout_s: float | None = None,
+    handle_signals: bool = False,
+    on_start: Callable[[LocalJob], None] | None = None,
+) -> JobResult:
+    """Run ``command`` once per worker spec, with a fresh secret and rendezvous store.
+
+    ``command`` is an argv list, or a function of the :class:`WorkerSpec` that returns one.
+    ``start_timeout_s`` bounds each wait of the store on a connecting worker. ``timeout_s`` bounds
+    the whole job (``None``: no bound). ``handle_signals`` (main thread only) turns SIGINT and
+    SIGTERM into :meth:`LocalJob.stop` for the job's duration. ``on_start`` sees the started job.
+
+    Raises:
+        LaunchError: the store or a worker could not be started.
+    """
+    from .. import wire
+    from ..rendezvous import StoreServer
+
+    secret = wire.new_secret()
+    try:
+        store = StoreServer(secret, host="127.0.0.1", port=0, timeout=start_timeout_s)
+    except (OSError, ConfigError) as exc:
+        raise LaunchError(f"could not start the rendezvous store on 127.0.0.1: {exc}") from exc
+    try:
+        job = LocalJob(
+            command, workers, secret=secret, rendezvous=(store.host, store.port),
+            job_id=secrets.token_hex(8), base_env=base_env, stdout=stdout, stderr=stderr,
+            grace_s=grace_s,
+        )
+        log.info("rendezvous store on %s:%d", store.host, store.port)
+        with _signals_to(job if handle_signals else None):
+            job.start()
+            if on_start is not None:
+                on_start(job)
+            return job.wait(timeout_s)
+    finally:
+        store.close()
+
+
+@contextlib.contextmanager
+def _signals_to(job: LocalJob | None) -> Iterator[None]:
+    if job is None:
+        yield
+        return
+    previous = {}
+
+    def handler(signum: int, _frame: object) -> None:
+        job.stop(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _killpg(proc: subprocess.Popen[bytes], sig: int) -> None:
+    # The worker leads its own session, so its pid is its process group id.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _child_setup(launcher_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that ties the worker's life to the launcher's (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        # Resolved before fork: the child must not load libraries between fork and exec.
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def setup() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return setup

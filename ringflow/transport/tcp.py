@@ -1,0 +1,414 @@
+"""TCP transport: one authenticated connection per pair of ranks, data and control multiplexed.
+
+Setup: every rank binds a listener, publishes ``host:port`` under ``{prefix}tcp/{rank}`` in the
+rendezvous store, dials every lower rank and accepts every higher one. Each connection runs the
+HMAC handshake of :mod:`ringflow.wire` before anything is parsed; the dialer then sends its rank
+(8 bytes), checked against the ranks still expected.
+
+Frames: a 9-byte header ``(tag: u8, length: u64)`` then the payload. ``DATA`` frames carry the
+bytes of an ``isend``; the receiving reader thread puts them straight into the buffer of the next
+posted ``irecv`` for that peer (no intermediate copy) and checks that the length equals the posted
+size. ``CTRL`` frames carry small control messages (at most ``MAX_CTRL_BYTES``) for the engine and
+are handed to the callback set with :meth:`TcpTransport.set_ctrl_handler`.
+
+Threads: one reader per peer, always reading, so a peer that dies is noticed at once even when no
+operation is pending: every pending and later operation with it raises PeerError and the failure
+handler is called. Sends are tried non-blocking from the calling thread first (a small message
+costs no thread hand-off); whatever does not fit in the socket buffer goes to the peer's sender
+thread.
+
+Cost per message: one ``sendmsg`` (header + payload, no join) and two ``recv_into`` calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+from .. import wire
+from ..errors import PeerError, ProtocolError, RingflowError, RingflowTimeoutError
+
+__all__ = ["MAX_CTRL_BYTES", "TcpTransport", "create"]
+
+log = logging.getLogger(__name__)
+
+MAX_CTRL_BYTES = 64 * 1024 * 1024
+_HDR = struct.Struct("!BQ")
+_DATA, _CTRL = 1, 2
+_RANK = struct.Struct("!Q")
+
+
+class _Work:
+    __slots__ = ("_done", "_error", "_peer", "_timeout", "buf")
+
+    def __init__(self, buf: memoryview | None, peer: _Peer, timeout: float) -> None:
+        self.buf = buf
+        self._peer = peer
+        self._timeout = timeout
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self) -> None:
+        if not self._done.wait(self._timeout):
+            raise RingflowTimeoutError(
+                f"rank {self._peer.rank}'s part of the collective did not arrive within "
+                f"{self._timeout} s; it may be frozen (RINGFLOW_TIMEOUT_S sets the limit)"
+            )
+        if self._error is not None:
+            raise self._error
+
+
+class _Peer:
+    """One connection: a reader thread, a sender thread, and FIFOs of posted receives/sends."""
+
+    def __init__(self, owner: TcpTransport, rank: int, sock: socket.socket) -> None:
+        self.owner = owner
+        self.rank = rank
+        self.sock = sock
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._recvs: collections.deque[_Work] = collections.deque()
+        self._recv_posted = threading.Condition(self._lock)
+        self._sends: collections.deque[tuple[list[memoryview], _Work]] = collections.deque()
+        self._send_ready = threading.Condition(threading.Lock())
+        self._send_lock = threading.Lock()  # one writer of the socket at a time
+        name = f"ringflow-tcp-{owner.rank}<->{rank}"
+        self._reader = threading.Thread(target=self._read_loop, name=name + "-r", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name=name + "-s", daemon=True)
+        self._reader.start()
+        self._sender.start()
+
+    # sending -----------------------------------------------------------------------------------
+    def send(self, tag: int, payload: memoryview, work: _Work) -> None:
+        bufs = [memoryview(_HDR.pack(tag, payload.nbytes)), payload]
+        with self._send_ready:
+            if self.error is not None:
+                raise self.error
+            if not self._sends and self._send_lock.acquire(blocking=False):
+                try:
+                    bufs = self._push(bufs, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    self._send_lock.release()
+                    self.fail(PeerError(f"sending to rank {self.rank} failed: {exc}"))
+                    raise self.error from exc  # type: ignore[misc]
+                else:
+                    if not bufs:
+                        self._send_lock.release()
+                        work.finish()
+                        return
+                self._send_lock.release()
+            self._sends.append((bufs, work))
+            self._send_ready.notify()
+
+    def _push(self, bufs: list[memoryview], flags: int) -> list[memoryview]:
+        """Send as much of ``bufs`` as the socket takes; return what is left."""
+        while bufs:
+            sent = self.sock.sendmsg(bufs, (), flags)
+            while bufs and sent >= bufs[0].nbytes:
+                sent -= bufs[0].nbytes
+                bufs.pop(0)
+            if bufs and sent:
+                bufs[0] = bufs[0][sent:]
+        return bufs
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._send_ready:
+                while not self._sends and self.error is None:
+                    self._send_ready.wait()
+                if self.error is not None:
+                    return
+                bufs, work = self._sends[0]
+            try:
+                with self._send_lock:
+                    self._push(bufs, 0)
+            except OSError as exc:
+                self.fail(PeerError(f"sending to rank {self.rank} failed: {exc}"))
+                return
+            with self._send_ready:
+                self._sends.popleft()
+            work.finish()
+
+    # receiving ---------------------------------------------------------------------------------
+    def post_recv(self, work: _Work) -> None:
+        with self._lock:
+            if self.error is not None:
+                raise self.error
+            self._recvs.append(work)
+            self._recv_posted.notify()
+
+    def _read_loop(self) -> None:
+        sock = self.sock
+        try:
+            while True:
+                tag, size = _HDR.unpack(wire.recv_exact(sock, _HDR.size))
+                if tag == _CTRL:
+                    if size > MAX_CTRL_BYTES:
+                        raise ProtocolError(
+                            f"rank {self.rank} sent a control frame of {size} bytes "
+                            f"(limit {MAX_CTRL_BYTES})"
+                        )
+                    self.owner._deliver_ctrl(self.rank, bytes(wire.recv_exact(sock, size)))
+                elif tag == _DATA:
+                    work = self._next_recv()
+                    if work is None:
+                        return
+                    buf = work.buf
+                    if buf is None or size != buf.nbytes:
+                        raise ProtocolError(
+                            f"rank {self.rank} sent {size} bytes where this rank expected "
+                            f"{0 if buf is None else buf.nbytes}; the ranks disagree about "
+                            "the collective"
+                        )
+                    wire.recv_into_exact(sock, buf)
+                    with self._lock:
+                        self._recvs.popleft()
+                    work.finish()
+                else:
+                    raise ProtocolError(f"rank {self.rank} sent a frame with unknown tag {tag}")
+        except RingflowTimeoutError:
+            # The socket timeout only bounds handshakes and writes; idle reads are normal.
+            self.fail(PeerError(f"rank {self.rank} stopped responding"))
+        except RingflowError as exc:
+            if self.owner.closed:
+                return
+            text = str(exc)
+            if "closed the connection after 0 of" in text:
+                text = "the connection was closed (the process exited or was killed)"
+            self.fail(PeerError(f"lost rank {self.rank}: {text}"))
+
+    def _next_recv(self) -> _Work | None:
+        with self._lock:
+            while not self._recvs and self.error is None:
+                self._recv_posted.wait()
+            return self._recvs[0] if self.error is None else None
+
+    # failure -----------------------------------------------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = error
+            recvs = list(self._recvs)
+            self._recvs.clear()
+            self._recv_posted.notify_all()
+        with self._send_ready:
+            sends = [w for _, w in self._sends]
+            self._sends.clear()
+            self._send_ready.notify_all()
+        for work in recvs + sends:
+            work.finish(error)
+        if not self.owner.closed:
+            self.owner._peer_failed(self.rank, error)
+
+    def close(self) -> None:
+        self.fail(PeerError(f"the transport to rank {self.rank} was closed"))
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class TcpTransport:
+    """The ``tcp`` transport. See the module docstring for the protocol."""
+
+    def __init__(
+        self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.closed = False
+        self._timeout = timeout
+        self._ctrl_handler: Callable[[int, bytes], None] | None = None
+        self._fail_handler: Callable[[int, BaseException], None] | None = None
+        self._early: list[tuple[int, bytes]] = []
+        self._handler_lock = threading.Lock()
+        self._peers = {r: _Peer(self, r, s) for r, s in socks.items()}
+
+    def isend(self, buf: memoryview, dst: int) -> _Work:
+        peer = self._peer(dst)
+        work = _Work(None, peer, self._timeout)
+        peer.send(_DATA, memoryview(buf).cast("B"), work)
+        return work
+
+    def irecv(self, buf: memoryview, src: int) -> _Work:
+        peer = self._peer(src)
+        work = _Work(memoryview(buf).cast("B"), peer, self._timeout)
+        peer.post_recv(work)
+        return work
+
+    def send_ctrl(self, payload: bytes, dst: int) -> None:
+        """Send a control message; it is delivered to ``dst``'s control handler."""
+        peer = self._peer(dst)
+        peer.send(_CTRL, memoryview(payload), _Work(None, peer, self._timeout))
+
+    def set_ctrl_handler(
+        self,
+        on_ctrl: Callable[[int, bytes], None],
+        on_failure: Callable[[int, BaseException], None],
+    ) -> None:
+        """Route control messages (src, payload) and peer failures (rank, error) to callbacks.
+
+        The callbacks run on reader threads and must not block. Messages that arrived before
+        the handler was set are delivered now, in order.
+        """
+        with self._handler_lock:
+            self._ctrl_handler, self._fail_handler = on_ctrl, on_failure
+            early, self._early = self._early, []
+        for src, payload in early:
+            on_ctrl(src, payload)
+        for peer in self._peers.values():
+            if peer.error is not None:
+                on_failure(peer.rank, peer.error)
+
+    def _deliver_ctrl(self, src: int, payload: bytes) -> None:
+        with self._handler_lock:
+            handler = self._ctrl_handler
+            if handler is None:
+                self._early.append((src, payload))
+                return
+        handler(src, payload)
+
+    def _peer_failed(self, rank: int, error: BaseException) -> None:
+        with self._handler_lock:
+            handler = self._fail_handler
+        if handler is not None:
+            handler(rank, error)
+        else:
+            log.debug("rank %d: peer %d failed: %s", self.rank, rank, error)
+
+    def _peer(self, rank: int) -> _Peer:
+        if self.closed:
+            raise PeerError("the transport is closed")
+        try:
+            return self._peers[rank]
+        except KeyError:
+            raise ValueError(f"rank {rank} is not a peer of rank {self.rank} (size {self.size})")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for peer in self._peers.values():
+            peer.close()
+
+
+def _bind_host(config: object) -> str:
+    host = getattr(config, "bind_addr", "") or ""
+    if host:
+        return host
+    import os
+
+    addr = os.environ.get("RINGFLOW_RENDEZVOUS_ADDR", "127.0.0.1")
+    if addr in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    # The interface that routes to the rendezvous server is the one peers can reach us on.
+    # connect() on a UDP socket sends nothing; it only resolves the route.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((addr, int(os.environ.get("RINGFLOW_RENDEZVOUS_PORT", "9"))))
+        return probe.getsockname()[0]
+
+
+def _data_secret(rank: int, store: object, prefix: str, timeout: float) -> bytes:
+    """The job secret where this process has one; else a key published by rank 0 in the store.
+
+    The store fallback serves in-process tests (MemoryStore/FileStore, which are not network
+    reachable); processes started by ringflow-run always have the job secret.
+    """
+    from .. import rendezvous
+
+    try:
+        return rendezvous.read_secret()
+    except RingflowError:
+        pass
+    key = f"{prefix}tcp/key"
+    if rank == 0:
+        store.set(key, wire.new_secret())  # type: ignore[attr-defined]
+    return store.get(key, timeout)  # type: ignore[attr-defined,no-any-return]
+
+
+def create(
+    rank: int, size: int, store: object, config: object, prefix: str = "",
+    secret: bytes | None = None,
+) -> TcpTransport:
+    """Connect rank ``rank`` of ``size`` to every other rank; returns when all are connected."""
+    timeout = float(getattr(config, "timeout_s", 30.0))
+    if secret is None:
+        secret = _data_secret(rank, store, prefix, timeout) if size > 1 else b""
+    if size == 1:
+        return TcpTransport(rank, size, {}, timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((_bind_host(config), 0))
+    listener.listen(size)
+    host, port = listener.getsockname()
+    store.set(f"{prefix}tcp/{rank}", f"{host}:{port}".encode())  # type: ignore[attr-defined]
+
+    socks: dict[int, socket.socket] = {}
+    accepted: dict[int, socket.socket] = {}
+    errors: list[BaseException] = []
+
+    def accept_higher() -> None:
+        expected = set(range(rank + 1, size))
+        listener.settimeout(timeout)
+        while expected:
+            try:
+                conn, _ = listener.accept()
+            except OSError as exc:
+                errors.append(
+                    RingflowTimeoutError(
+                        f"rank {rank}: ranks {sorted(expected)} did not connect within "
+                        f"{timeout} s ({exc})"
+                    )
+                )
+                return
+            try:
+                _tune(conn)
+                wire.server_handshake(conn, secret, timeout)
+                (peer,) = _RANK.unpack(wire.recv_exact(conn, _RANK.size))
+                if peer not in expected:
+                    raise ProtocolError(f"a connection claimed rank {peer}, not expected here")
+            except RingflowError as exc:
+                log.warning("rank %d rejected a data connection: %s", rank, exc)
+                conn.close()
+                continue
+            expected.discard(peer)
+            accepted[peer] = conn
+
+    acceptor = threading.Thread(target=accept_higher, name=f"ringflow-accept-{rank}", daemon=True)
+    acceptor.start()
+    try:
+        for peer in range(rank):
+            addr = store.get(f"{prefix}tcp/{peer}", timeout).decode()  # type: ignore[attr-defined]
+            phost, pport = addr.rsplit(":", 1)
+            conn = socket.create_connection((phost, int(pport)), timeout=timeout)
+            _tune(conn)
+            wire.client_handshake(conn, secret, timeout)
+            conn.sendall(_RANK.pack(rank))
+            socks[peer] = conn
+        acceptor.join()
+    finally:
+        listener.close()
+    if errors:
+        for s in socks.values():
+            s.close()
+        raise errors[0]
+    socks.update(accepted)
+    for s in socks.values():
+        s.settimeout(None)
+    return TcpTransport(rank, size, socks, timeout)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

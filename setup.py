@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ringflow",
+    version="0.1.0",
+    description="Horovod-style distributed training for PyTorch and TensorFlow, in pure Python",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["ringflow", "ringflow.*"]),
+    install_requires=["numpy>=1.22", "ml_dtypes>=0.3"],
+    extras_require={
+        "torch": ["torch"],
+        "tensorflow": ["tensorflow-cpu"],
+        "mpi": ["mpi4py", "openmpi"],
+        "gpu": ["cupy-cuda12x"],
+        "test": ["pytest", "pytest-timeout", "scikit-learn", "pyyaml"],
+    },
+    entry_points={"console_scripts": ["ringflow-run = ringflow.runner.cli:main"]},
+)

@@ -1,0 +1,171 @@
+"""ringflow.topology.detect: every launcher environment, and inconsistent values."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from ringflow.errors import ConfigError
+from ringflow.topology import RankInfo, detect
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def ringflow_env(rank: int = 1, size: int = 4, local_rank: int = 1, local_size: int = 2,
+                 cross_rank: int = 0, cross_size: int = 2) -> dict[str, str]:
+    return {
+        "RINGFLOW_RANK": str(rank), "RINGFLOW_SIZE": str(size),
+        "RINGFLOW_LOCAL_RANK": str(local_rank), "RINGFLOW_LOCAL_SIZE": str(local_size),
+        "RINGFLOW_CROSS_RANK": str(cross_rank), "RINGFLOW_CROSS_SIZE": str(cross_size),
+        "RINGFLOW_HOSTNAME": "node-a",
+    }
+
+
+def test_single_process_without_launcher():
+    assert detect({}) == RankInfo(0, 1, 0, 1, 0, 1, socket.gethostname(), "single")
+
+
+def test_ringflow_run():
+    info = detect(ringflow_env())
+    assert info == RankInfo(1, 4, 1, 2, 0, 2, "node-a", "ringflow")
+
+
+def test_ringflow_wins_over_other_launchers():
+    env = {**ringflow_env(), "OMPI_COMM_WORLD_RANK": "3", "SLURM_PROCID": "2", "RANK": "0"}
+    assert detect(env).detector == "ringflow"
+
+
+@pytest.mark.parametrize(
+    ("rank", "size", "local_rank", "local_size", "cross"),
+    [(0, 1, 0, 1, (0, 1)), (5, 8, 1, 4, (1, 2)), (4, 6, 0, 4, (1, 2)), (2, 3, 2, 3, (0, 1))],
+)
+def test_open_mpi_derives_hosts_assuming_homogeneous_block_mapping(
+    rank, size, local_rank, local_size, cross
+):
+    env = {
+        "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(size),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
+    }
+    info = detect(env)
+    assert (info.rank, info.size, info.local_rank, info.local_size) == (
+        rank, size, local_rank, local_size
+    )
+    assert (info.cross_rank, info.cross_size) == cross
+    assert info.detector == "openmpi"
+
+
+def test_mpich_pmi_with_local_ids():
+    env = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    info = detect(env)
+    assert (info.rank, info.size, info.local_rank, info.local_size) == (3, 4, 1, 2)
+    assert (info.cross_rank, info.cross_size, info.detector) == (1, 2, "pmi")
+
+
+def test_mpich_pmi_without_local_ids_assumes_one_rank_per_host():
+    info = detect({"PMI_RANK": "2", "PMI_SIZE": "3"})
+    assert (info.local_rank, info.local_size, info.cross_rank, info.cross_size) == (0, 1, 2, 3)
+
+
+def test_slurm_heterogeneous_tasks_per_node():
+    # 3 nodes with 2, 2, 1 tasks: rank 4 is the only task of node 2.
+    env = {
+        "SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+        "SLURM_NNODES": "3", "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURMD_NODENAME": "cn07",
+    }
+    assert detect(env) == RankInfo(4, 5, 0, 1, 2, 3, "cn07", "slurm")
+
+
+def test_slurm_step_variables_win():
+    env = {
+        "SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NNODES": "4",
+        "SLURM_STEP_NUM_NODES": "1", "SLURM_TASKS_PER_NODE": "2(x4)",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+    }
+    info = detect(env)
+    assert (info.size, info.local_size, info.cross_size) == (2, 2, 1)
+
+
+def test_slurm_bad_task_list_names_the_variable():
+    env = {
+        "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+        "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": "two",
+    }
+    with pytest.raises(ConfigError, match="SLURM_TASKS_PER_NODE='two'"):
+        detect(env)
+
+
+def test_torchrun_with_group_variables():
+    env = {
+        "RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3",
+        "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
+    }
+    info = detect(env)
+    assert (info.rank, info.size, info.local_rank, info.local_size) == (5, 6, 2, 3)
+    assert (info.cross_rank, info.cross_size, info.detector) == (1, 2, "torchrun")
+
+
+def test_torchrun_without_group_variables_derives_hosts():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    info = detect(env)
+    assert (info.cross_rank, info.cross_size) == (1, 2)
+
+
+def test_a_lone_rank_variable_is_not_torchrun():
+    assert detect({"RANK": "3"}).detector == "single"
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"RINGFLOW_RANK": "4", "RINGFLOW_SIZE": "4"}, "RINGFLOW_RANK=4"),
+        ({"RINGFLOW_RANK": "-1"}, "RINGFLOW_RANK='-1' is negative"),
+        ({"RINGFLOW_SIZE": "two"}, "RINGFLOW_SIZE='two' is not an integer"),
+        ({"RINGFLOW_SIZE": "0", "RINGFLOW_RANK": "0"}, "RINGFLOW_SIZE=0"),
+        ({"RINGFLOW_LOCAL_RANK": "2"}, "RINGFLOW_LOCAL_RANK=2"),
+        ({"RINGFLOW_CROSS_SIZE": "9"}, "RINGFLOW_CROSS_SIZE=9"),
+        ({"RINGFLOW_CROSS_RANK": "2"}, "RINGFLOW_CROSS_RANK=2"),
+        ({"RINGFLOW_LOCAL_SIZE": "5"}, "RINGFLOW_LOCAL_SIZE=5"),
+    ],
+)
+def test_inconsistent_ringflow_values_name_the_variable(env, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
+        detect({**ringflow_env(), **env})
+
+
+def test_missing_sibling_variable_is_named():
+    env = ringflow_env()
+    del env["RINGFLOW_LOCAL_SIZE"]
+    with pytest.raises(ConfigError, match="RINGFLOW_LOCAL_SIZE is not set"):
+        detect(env)
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2",
+          "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"},
+         "OMPI_COMM_WORLD_RANK=2"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+          "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "0"},
+         "OMPI_COMM_WORLD_LOCAL_SIZE=0"),
+        ({"PMI_RANK": "1.5", "PMI_SIZE": "2"}, "PMI_RANK='1.5' is not an integer"),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "2"},
+         "MPI_LOCALRANKID=3"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "3",
+          "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "1(x2)"}, "SLURM_NODEID=3"),
+        ({"RANK": "7", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}, "RANK=7"),
+        ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "x"}, "LOCAL_RANK='x'"),
+    ],
+)
+def test_inconsistent_foreign_values_name_the_variable(env, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        detect(env)
+
+
+def test_rank_info_is_frozen():
+    info = detect({})
+    with pytest.raises(AttributeError):
+        info.rank = 3  # type: ignore[misc]
