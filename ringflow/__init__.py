@@ -103,9 +103,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
 
             link: Any = TcpTransport(0, 1, {}, config.timeout_s)
         else:
-            from . import rendezvous
+            from .bootstrap import connect_store
 
-            store = rendezvous.connect(timeout=config.timeout_s)
+            store = connect_store(info, config.timeout_s)
             name = "tcp" if config.transport == "auto" else config.transport
             link = transport.create(name, info.rank, info.size, store, config,
                                     prefix=f"init{generation}/")

@@ -35,8 +35,9 @@ from .transport.loopback import LoopbackWorld
 
 __all__ = ["run_ranks", "spawn_ranks"]
 
-# After an abort, how long run_ranks waits for the released threads to return before it raises
-# anyway (they are daemon threads; a rank stuck outside ringflow cannot be interrupted).
+# After an abort, how long (at most, and never longer than the deadline) run_ranks waits for the
+# released threads to return before it raises anyway (they are daemon threads; a rank stuck
+# outside ringflow cannot be interrupted).
 _JOIN_GRACE_S = 5.0
 # Transport and store timeouts are a multiple of the deadline, so that a stuck test is reported
 # by the deadline (with the stack of the stuck rank), not by whichever rank's timeout fires first.
@@ -162,7 +163,7 @@ def run_ranks(
         for t in transports:
             if t is not None:
                 t.close()
-        grace_end = time.monotonic() + _JOIN_GRACE_S
+        grace_end = time.monotonic() + min(_JOIN_GRACE_S, deadline)
         for thread in threads:
             thread.join(max(0.0, grace_end - time.monotonic()))
     with run.cond:

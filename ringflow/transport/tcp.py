@@ -9,7 +9,9 @@ Frames: a 9-byte header ``(tag: u8, length: u64)`` then the payload. ``DATA`` fr
 bytes of an ``isend``; the receiving reader thread puts them straight into the buffer of the next
 posted ``irecv`` for that peer (no intermediate copy) and checks that the length equals the posted
 size. ``CTRL`` frames carry small control messages (at most ``MAX_CTRL_BYTES``) for the engine and
-are handed to the callback set with :meth:`TcpTransport.set_ctrl_handler`.
+are handed to the callback set with :meth:`TcpTransport.set_ctrl_handler`. An empty ``CTRL``
+frame is a goodbye: the peer is closing on purpose, so its end-of-file is reported as
+ShutdownError ("rank r has shut down"), not as a lost peer.
 
 Threads: one reader per peer, always reading, so a peer that dies is noticed at once even when no
 operation is pending: every pending and later operation with it raises PeerError and the failure
@@ -23,14 +25,22 @@ Cost per message: one ``sendmsg`` (header + payload, no join) and two ``recv_int
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from .. import wire
-from ..errors import PeerError, ProtocolError, RingflowError, RingflowTimeoutError
+from ..errors import (
+    PeerError,
+    ProtocolError,
+    RingflowError,
+    RingflowTimeoutError,
+    ShutdownError,
+)
 
 __all__ = ["MAX_CTRL_BYTES", "TcpTransport", "create"]
 
@@ -74,6 +84,7 @@ class _Peer:
         self.rank = rank
         self.sock = sock
         self.error: BaseException | None = None
+        self.departed = False
         self._lock = threading.Lock()
         self._recvs: collections.deque[_Work] = collections.deque()
         self._recv_posted = threading.Condition(self._lock)
@@ -158,7 +169,11 @@ class _Peer:
                             f"rank {self.rank} sent a control frame of {size} bytes "
                             f"(limit {MAX_CTRL_BYTES})"
                         )
-                    self.owner._deliver_ctrl(self.rank, bytes(wire.recv_exact(sock, size)))
+                    payload = bytes(wire.recv_exact(sock, size))
+                    if payload:
+                        self.owner._deliver_ctrl(self.rank, payload)
+                    else:
+                        self.departed = True
                 elif tag == _DATA:
                     work = self._next_recv()
                     if work is None:
@@ -180,6 +195,12 @@ class _Peer:
             # The socket timeout only bounds handshakes and writes; idle reads are normal.
             self.fail(PeerError(f"rank {self.rank} stopped responding"))
         except RingflowError as exc:
+            if self.departed:
+                # Let the peer's close() see our end-of-file at once: it is waiting for it.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)
+                self.fail(ShutdownError(f"rank {self.rank} has shut down"))
+                return
             if self.owner.closed:
                 return
             text = str(exc)
@@ -211,7 +232,21 @@ class _Peer:
         if not self.owner.closed:
             self.owner._peer_failed(self.rank, error)
 
-    def close(self) -> None:
+    def say_goodbye(self) -> None:
+        """Tell the peer we are closing on purpose, then stop writing (reads go on)."""
+        try:
+            work = _Work(None, self, 1.0)
+            self.send(_CTRL, memoryview(b""), work)
+            work.wait()
+            with self._send_lock:
+                self.sock.shutdown(socket.SHUT_WR)
+        except (RingflowError, OSError):
+            pass
+
+    def close(self, deadline: float) -> None:
+        # Reading to the peer's end-of-file before closing avoids a reset that could destroy
+        # data the peer has not read yet.
+        self._reader.join(max(0.0, deadline - time.monotonic()))
         self.fail(PeerError(f"the transport to rank {self.rank} was closed"))
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -296,12 +331,16 @@ class TcpTransport:
         except KeyError:
             raise ValueError(f"rank {rank} is not a peer of rank {self.rank} (size {self.size})")
 
-    def close(self) -> None:
+    def close(self, linger: float = 2.0) -> None:
+        """Say goodbye to every peer, wait up to ``linger`` s for theirs, then close."""
         if self.closed:
             return
         self.closed = True
         for peer in self._peers.values():
-            peer.close()
+            peer.say_goodbye()
+        deadline = time.monotonic() + linger
+        for peer in self._peers.values():
+            peer.close(deadline)
 
 
 def _bind_host(config: object) -> str:

@@ -26,8 +26,6 @@ SIZES = [1, 2, 3, 4, 7]
 BIG = 100_003  # large and odd: uneven segments, a remainder for the lowest ranks
 ALL_DTYPES = list(DTYPES.values())
 REDUCE_OPS = [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT]
-# The large length runs for these dtypes at every size; the others get it at size 3 only.
-BIG_DTYPES = {"float16", "bfloat16", "float32", "int8", "bool"}
 RTOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
 
 
@@ -41,11 +39,8 @@ def transport(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def lengths(n: int, dtype: np.dtype, big: int = BIG) -> list[int]:
-    out = sorted({0, 1, n - 1})
-    if dtype.name in BIG_DTYPES or n == 3:
-        out.append(big)
-    return out
+def lengths(n: int, big: int = BIG) -> list[int]:
+    return [*sorted({0, 1, n - 1}), big]
 
 
 def signed(dtype: np.dtype) -> bool:
@@ -114,7 +109,7 @@ def same_bits(results: list[np.ndarray], what: str) -> None:
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("n", SIZES)
 def test_allreduce(transport: str, n: int, dtype: np.dtype) -> None:
-    cases = [(length, op) for length in lengths(n, dtype) for op in ops_for(dtype)]
+    cases = [(length, op) for length in lengths(n) for op in ops_for(dtype)]
 
     def body(t):
         out = []
@@ -206,7 +201,7 @@ def test_adasum_is_rejected() -> None:
 @pytest.mark.parametrize("n", SIZES)
 def test_reducescatter(transport: str, n: int, dtype: np.dtype) -> None:
     cols = 2
-    cases = [(rows, op) for rows in lengths(n, dtype, BIG // 2) for op in ops_for(dtype)]
+    cases = [(rows, op) for rows in lengths(n, BIG // 2) for op in ops_for(dtype)]
 
     def body(t):
         out = []
@@ -251,7 +246,7 @@ def block(r: int, rows: int, dtype: np.dtype, cols: int = 3) -> np.ndarray:
 def test_allgather(transport: str, n: int, dtype: np.dtype) -> None:
     # Odd ranks have half as many rows: first dims differ, and are 0 when length is 1.
     cases = [[length if q % 2 == 0 else length // 2 for q in range(n)]
-             for length in lengths(n, dtype, BIG // 3)]
+             for length in lengths(n, BIG // 3)]
 
     def body(t):
         return [algorithms.allgather(t, block(t.rank, counts[t.rank], dtype), counts)
@@ -283,7 +278,7 @@ def test_allgather_with_empty_ranks() -> None:
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("n", SIZES)
 def test_broadcast(transport: str, n: int, dtype: np.dtype) -> None:
-    cases = [(length, (length + 1) % n) for length in lengths(n, dtype)]
+    cases = [(length, (length + 1) % n) for length in lengths(n)]
 
     def body(t):
         out = []
@@ -321,7 +316,7 @@ def a2a_splits(src: int, n: int, scale: int) -> list[int]:
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("n", SIZES)
 def test_alltoall(transport: str, n: int, dtype: np.dtype) -> None:
-    scales = lengths(n, dtype, 3001)
+    scales = lengths(n, 3001)
 
     def body(t):
         out = []
@@ -398,10 +393,10 @@ def test_ring_allreduce_talks_only_to_next_rank(n: int) -> None:
                 assert (messages, nbytes) == (0, 0), (r, d)
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float16, np.int8, DTYPES["bool"]], ids=str)
+@pytest.mark.parametrize("dtype", ["float64", "float16", "int8", "bool"])
 @pytest.mark.parametrize("n", [3, 4])
 def test_small_chunks_pipeline(monkeypatch: pytest.MonkeyPatch, n: int, dtype) -> None:
-    dtype = np.dtype(dtype)
+    dtype = DTYPES[dtype]
     monkeypatch.setattr(buffers, "CHUNK_BYTES", 16)
     length = 1001
     op = ReduceOp.SUM
