@@ -106,7 +106,12 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             from .bootstrap import connect_store
 
             store = connect_store(info, config.timeout_s)
-            name = "tcp" if config.transport == "auto" else config.transport
+            name = config.transport
+            if name == "auto":
+                from .transport import shm
+
+                same_host = info.local_size == info.size and shm.available()
+                name = "shm" if same_host else "tcp"
             link = transport.create(name, info.rank, info.size, store, config,
                                     prefix=f"init{generation}/")
         _info = info

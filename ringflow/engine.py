@@ -40,6 +40,7 @@ from .handles import Handle
 from .negotiation import CachedAllreduce, Coordinator, Request, Response, ResponseCache
 from .ops import DTYPES, ReduceOp
 from .transport import Subset
+from .transport.shm import SHM_MIN_BYTES
 
 __all__ = ["Engine", "Entry"]
 
@@ -398,17 +399,27 @@ class Engine:
         ref = refs[0]
         wire = ref.wire_dtype
         reduce_op = ReduceOp(ref.reduce_op)
+        sizes = [int(np.prod(r.shape, dtype=np.int64)) for r in refs]
+        total = sum(sizes)
+        # Same-host jobs reduce large buffers in shared memory (transport/shm.py).
+        shm = getattr(t, "shm", None) if total * wire.itemsize >= SHM_MIN_BYTES else None
         e0 = entries[0]
         if len(refs) == 1 and e0 is not None and e0.array is not None and e0.array.dtype == wire:
             out = _output(e0, ref)
+            if shm is not None:
+                src = e0.array.reshape(-1)
+                if ref.prescale != 1.0:
+                    src = shm.input_view(total, wire)
+                    np.multiply(e0.array.reshape(-1), ref.prescale, out=src, casting="unsafe")
+                shm.allreduce(src, out.reshape(-1), reduce_op, ref.postscale)
+                return [out]
             if ref.prescale != 1.0:
                 np.multiply(e0.array, ref.prescale, out=out, casting="unsafe")
             elif out is not e0.array:
                 np.copyto(out, e0.array)
             algorithms.allreduce(t, out.reshape(-1), reduce_op, ref.postscale)
             return [out]
-        sizes = [int(np.prod(r.shape, dtype=np.int64)) for r in refs]
-        buf = self._fusion_buffer(wire, sum(sizes))
+        buf = shm.input_view(total, wire) if shm else self._fusion_buffer(wire, total)
         offset = 0
         for entry, n in zip(entries, sizes):
             view = buf[offset:offset + n]
@@ -419,7 +430,10 @@ class Engine:
             else:
                 np.copyto(view, entry.array.reshape(-1), casting="unsafe")
             offset += n
-        algorithms.allreduce(t, buf, reduce_op, ref.postscale)
+        if shm is not None:
+            shm.allreduce(buf, buf, reduce_op, ref.postscale)
+        else:
+            algorithms.allreduce(t, buf, reduce_op, ref.postscale)
         results: list[Any] = []
         offset = 0
         for entry, r, n in zip(entries, refs, sizes):

@@ -106,3 +106,4 @@ def create(name: str, *args: object, **kwargs: object) -> Transport:
 
 register("loopback", "ringflow.transport.loopback", "create")
 register("tcp", "ringflow.transport.tcp", "create")
+register("shm", "ringflow.transport.shm", "create")

@@ -307,6 +307,12 @@ class TcpTransport:
             if peer.error is not None:
                 on_failure(peer.rank, peer.error)
 
+    def check_peers(self) -> None:
+        """Raise the error of the first peer found broken, if any (cheap; no I/O)."""
+        for peer in self._peers.values():
+            if peer.error is not None:
+                raise peer.error
+
     def _deliver_ctrl(self, src: int, payload: bytes) -> None:
         with self._handler_lock:
             handler = self._ctrl_handler

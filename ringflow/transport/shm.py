@@ -1,0 +1,247 @@
+"""Shared-memory allreduce for the ranks of one host, on top of the TCP transport.
+
+Every local rank owns one data segment and one flag word in ``/dev/shm``, created with mode 0600
+and **unlinked as soon as every rank has mapped it**, so nothing is left behind even when a rank is
+killed (the kernel frees the memory with the last mapping). The data segment holds two halves;
+successive allreduces alternate between them.
+
+Allreduce of ``B`` bytes on ``n`` local ranks (rank ``r`` owns share ``r`` of ``even_split``):
+
+1. copy the input into this rank's current half (skipped when the engine packed it there);
+2. barrier: every input is in place;
+3. reduce share ``r`` from all ``n`` halves, in rank order 0..n-1, into share ``r`` of this rank's
+   half (16-bit floats accumulate in float32, scaled integers in float64); scale once;
+4. barrier: every share is reduced;
+5. copy share ``k`` of rank ``k``'s half into the output, for every ``k``.
+
+Per rank that is one reduce pass over ``B/n`` (reading ``n`` inputs) plus one copy of the result;
+no byte goes through a socket. Because each element is reduced by one rank in a fixed order that
+does not depend on where it sits in the buffer, results are bitwise identical on every rank and
+across fusion layouts. A half is rewritten two operations later, after every rank has passed the
+next operation's first barrier, so no rank can overwrite data another is still reading.
+
+Barriers: each rank bumps its flag word to the operation's epoch and waits until every flag has
+reached it, sleeping progressively longer while it waits. Every few milliseconds the wait checks
+the TCP transport for a failed peer and the deadline (``timeout_s``), so a dead or frozen rank
+ends the wait with the same errors as on the TCP path. Small buffers stay on the TCP ring, where
+two socket round trips cost less than two barriers and a pass over ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..algorithms.buffers import chunk_elems, chunk_ranges, even_split
+from ..errors import RingflowTimeoutError, TensorError
+from ..ops import ReduceOp, check_dtype, is_float16ish, ufunc
+
+__all__ = ["SHM_MIN_BYTES", "ShmAllreduce", "ShmTransport", "create"]
+
+#: Buffers below this size use the TCP ring (measured on 2 ranks here: see benchmarks/).
+SHM_MIN_BYTES = 64 * 1024
+_SHM_DIR = "/dev/shm"
+_FLAG_BYTES = 64  # one cache line per flag word: no false sharing between ranks
+_ALIGN = 4096
+
+
+def available() -> bool:
+    return os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK)
+
+
+class _Mapping:
+    """A file in /dev/shm mapped into memory; the owner creates it, peers open it."""
+
+    def __init__(self, path: str, size: int, create: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.array = np.empty(0, np.uint8)
+        try:
+            self.map.close()
+        except BufferError:  # a view is still alive somewhere; the GC will unmap it
+            pass
+
+
+class ShmAllreduce:
+    """The shared segments of the ``size`` local ranks; see the module docstring."""
+
+    def __init__(
+        self, rank: int, size: int, store: Any, prefix: str, timeout: float,
+        check_peers: Callable[[], None],
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self._check_peers = check_peers
+        self._store = store
+        self._key = f"{prefix}shm/"
+        if rank == 0:
+            store.set(self._key + "name", f"rf{os.getpid()}_{secrets.token_hex(4)}".encode())
+        self._name = store.get(self._key + "name", timeout).decode()
+        self._epoch = 0
+        self._half = 0
+        self._gen = 0
+        self._capacity = 0  # bytes per half
+        self._segs: list[_Mapping] = []
+        flag = _Mapping(self._path("f", rank), _FLAG_BYTES, create=True)
+        self._flags = self._attach("f", _FLAG_BYTES, flag, via_store=True)
+        self._words = [np.frombuffer(f.map, dtype=np.int64, count=1) for f in self._flags]
+
+    def _path(self, kind: str, rank: int) -> str:
+        return f"{_SHM_DIR}/{self._name}_{kind}{self._gen}_{rank}"
+
+    def _attach(self, kind: str, size: int, mine: _Mapping, via_store: bool) -> list[_Mapping]:
+        """Map every rank's segment (``mine`` is this rank's), then unlink this rank's file."""
+        if via_store:
+            self._store.set(f"{self._key}{kind}/{self.rank}", b"1")
+            self._store.wait([f"{self._key}{kind}/{r}" for r in range(self.size)], self.timeout)
+        else:
+            self.barrier()
+        maps = [mine if r == self.rank else _Mapping(self._path(kind, r), size, create=False)
+                for r in range(self.size)]
+        if via_store:
+            self._store.set(f"{self._key}{kind}/attached/{self.rank}", b"1")
+            self._store.wait([f"{self._key}{kind}/attached/{r}" for r in range(self.size)],
+                             self.timeout)
+        else:
+            self.barrier()
+        os.unlink(self._path(kind, self.rank))
+        return maps
+
+    def barrier(self) -> None:
+        self._epoch += 1
+        self._words[self.rank][0] = self._epoch
+        epoch = self._epoch
+        words = self._words
+        if all(w[0] >= epoch for w in words):
+            return
+        start = time.monotonic()
+        check = start
+        nap = 0.0
+        while True:
+            if all(w[0] >= epoch for w in words):
+                return
+            time.sleep(nap)
+            nap = min(nap * 2 or 1e-6, 1e-3)
+            now = time.monotonic()
+            if now - check > 0.005:
+                check = now
+                self._check_peers()
+                if now - start > self.timeout:
+                    late = [r for r, w in enumerate(words) if w[0] < epoch]
+                    raise RingflowTimeoutError(
+                        f"local ranks {late} did not reach the shared-memory barrier within "
+                        f"{self.timeout} s; they may be frozen (RINGFLOW_TIMEOUT_S sets the limit)"
+                    )
+
+    def _ensure(self, nbytes: int) -> None:
+        """Grow every rank's segment to two halves of ``nbytes`` (all ranks decide alike)."""
+        if nbytes <= self._capacity:
+            return
+        capacity = max(-(-nbytes // _ALIGN) * _ALIGN, 2 * self._capacity)
+        for seg in self._segs:
+            seg.close()
+        self._gen += 1
+        mine = _Mapping(self._path("d", self.rank), 2 * capacity, create=True)
+        self._segs = self._attach("d", 2 * capacity, mine, via_store=False)
+        self._capacity = capacity
+
+    def input_view(self, n: int, dtype: np.dtype) -> np.ndarray:
+        """Where the next :meth:`allreduce` expects this rank's input (pack it here to save a copy)."""
+        self._ensure(max(n * dtype.itemsize, 1))
+        base = self._half * self._capacity
+        return self._segs[self.rank].array[base:base + n * dtype.itemsize].view(dtype)
+
+    def allreduce(self, src: np.ndarray, out: np.ndarray, op: ReduceOp,
+                  postscale: float = 1.0) -> None:
+        """``out = reduce(src over ranks)``; ``src`` and ``out`` are 1-D of one dtype and length."""
+        dtype = check_dtype(src.dtype, "allreduce buffer")
+        n = src.size
+        if n == 0:
+            return
+        mine = self.input_view(n, dtype)
+        if not np.shares_memory(mine, src):
+            np.copyto(mine, src)
+        halves = [s.array[self._half * self._capacity:][: n * dtype.itemsize].view(dtype)
+                  for s in self._segs]
+        self._half ^= 1
+        self.barrier()
+        lo, hi = even_split(n, self.size)[self.rank]
+        _reduce_share(halves, lo, hi, halves[self.rank], op, postscale, self.size)
+        self.barrier()
+        in_place = out.ctypes.data == mine.ctypes.data  # this rank's share is already there
+        for k, (a, b) in enumerate(even_split(n, self.size)):
+            if b > a and not (in_place and k == self.rank):
+                np.copyto(out[a:b], halves[k][a:b])
+
+    def close(self) -> None:
+        for seg in self._segs + self._flags:
+            seg.close()
+        self._segs = []
+
+
+def _reduce_share(parts: list[np.ndarray], lo: int, hi: int, dst: np.ndarray, op: ReduceOp,
+                  postscale: float, n: int) -> None:
+    """``dst[lo:hi] = parts[0] (op) parts[1] (op) ... `` in rank order, then scaled once."""
+    dtype = dst.dtype
+    combine = ufunc(op)
+    factor = postscale / n if op == ReduceOp.AVERAGE else postscale
+    if dtype == np.bool_ and (op == ReduceOp.AVERAGE or postscale != 1.0):
+        raise TensorError("a bool tensor cannot be averaged or scaled; use Sum, Min, Max or "
+                          "Product, or cast it to a numeric dtype")
+    wide = is_float16ish(dtype) or (dtype.kind in "iu" and factor != 1.0)
+    acc_dtype = (np.float32 if is_float16ish(dtype) else np.float64) if wide else dtype
+    per = chunk_elems(8)
+    acc = np.empty(min(per, max(hi - lo, 1)), acc_dtype)
+    for a, b in chunk_ranges(lo, hi, per):
+        tmp = acc[: b - a]
+        np.copyto(tmp, parts[0][a:b], casting="unsafe")
+        for part in parts[1:]:
+            combine(tmp, part[a:b], out=tmp, casting="unsafe")
+        if factor != 1.0:
+            np.multiply(tmp, factor, out=tmp, casting="unsafe")
+            if dtype.kind in "iu":
+                np.trunc(tmp, out=tmp)  # toward zero, like C's static_cast
+        np.copyto(dst[a:b], tmp, casting="unsafe")
+
+
+class ShmTransport:
+    """The TCP transport plus a shared-memory :meth:`allreduce` for same-host jobs."""
+
+    def __init__(self, tcp: Any, shm: ShmAllreduce) -> None:
+        self.tcp = tcp
+        self.shm = shm
+        self.rank = tcp.rank
+        self.size = tcp.size
+
+    def __getattr__(self, name: str) -> Any:  # isend, irecv, send_ctrl, set_ctrl_handler, ...
+        return getattr(self.tcp, name)
+
+    def close(self, linger: float = 2.0) -> None:
+        self.shm.close()
+        self.tcp.close(linger)
+
+
+def create(rank: int, size: int, store: Any, config: Any, prefix: str = "",
+           secret: bytes | None = None) -> ShmTransport:
+    """Every rank of the job must be on this host (the caller checks local_size == size)."""
+    from . import tcp
+
+    link = tcp.create(rank, size, store, config, prefix, secret)
+    shm = ShmAllreduce(rank, size, store, prefix, float(config.timeout_s), link.check_peers)
+    return ShmTransport(link, shm)
