@@ -24,6 +24,7 @@ from .errors import NotInitializedError, RingflowError, TensorError
 from .handles import Handle
 from .negotiation import Request
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .runner.pyrun import launcher, run
 
 __version__ = "0.1.0"
 
@@ -34,8 +35,8 @@ __all__ = [
     "barrier", "broadcast", "broadcast_async", "cross_rank", "cross_size", "global_process_set",
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_initialized", "join",
-    "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
-    "remove_process_set", "shutdown", "size", "stats", "synchronize",
+    "launcher", "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
+    "remove_process_set", "run", "shutdown", "size", "stats", "synchronize",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,14 +107,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             from .bootstrap import connect_store
 
             store = connect_store(info, config.timeout_s)
-            name = config.transport
-            if name == "auto":
-                from .transport import shm
-
-                same_host = info.local_size == info.size and shm.available()
-                name = "shm" if same_host else "tcp"
-            link = transport.create(name, info.rank, info.size, store, config,
-                                    prefix=f"init{generation}/")
+            link = transport.connect(info, store, config, prefix=f"init{generation}/")
         _info = info
         _engine = Engine(info.rank, info.size, link, config)
         _counters.clear()
@@ -207,18 +201,48 @@ def _check(array: Any, what: str) -> tuple[np.ndarray | None, str]:
     return arr, ""
 
 
+def _check_op(op: str, arr: np.ndarray, name: str, n: int, fields: dict[str, Any]) -> str:
+    """Why ``op`` cannot run on ``arr`` with these arguments ("" if it can).
+
+    Checked here, before submission, so that the failure reaches every rank as a failed request;
+    found by the collective on the engine thread instead, it would end the whole job.
+    """
+    if op in ("allreduce", "reducescatter") and arr.dtype == np.bool_ and (
+        fields["reduce_op"] == ReduceOp.AVERAGE or fields["prescale"] != 1.0
+        or fields["postscale"] != 1.0
+    ):
+        return (f"tensor {name!r} has dtype bool, which cannot be averaged or scaled; use Sum "
+                "(logical or), Min, Max or Product (logical and), or cast to a numeric dtype")
+    if op in ("reducescatter", "alltoall") and arr.ndim == 0:
+        return f"{op} of {name!r} splits the first dimension and needs at least 1 dimension"
+    if op == "broadcast" and not 0 <= fields["root"] < n:
+        return (f"broadcast of {name!r}: root rank {fields['root']} is outside 0..{n - 1} "
+                "(the ranks of the process set)")
+    if op == "alltoall":
+        splits = fields["splits"]
+        if len(splits) != n or min(splits, default=0) < 0 or sum(splits) != arr.shape[0]:
+            return (f"alltoall of {name!r}: splits {list(splits)} must be {n} non-negative row "
+                    f"counts adding up to the first dimension, {arr.shape[0]}")
+    return ""
+
+
 def _submit(op: str, array: Any, name: str | None, process_set: ProcessSet, out: Any = None,
             **fields: Any) -> Handle:
     engine = _need()
     ps = _set_id(process_set)
+    if not process_set.included():
+        # Only this rank knows: the members never submit this name, so it is refused here
+        # rather than sent to the coordinator, where it would wait for them forever.
+        raise TensorError(f"{op} {name or '(unnamed)'}: rank {rank()} is not a member of "
+                          f"{process_set}; call it only where process_set.included() is true")
     name = _name(op, name, ps)
     arr, error = _check(array, f"tensor {name!r}")
     if out is not None and not error and (
         not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.shape != arr.shape
     ):
         error = f"the output for {name!r} must be a C-contiguous array of shape {arr.shape}"
-    if not error and not process_set.included():
-        error = f"rank {rank()} is not a member of {process_set}"
+    if not error:
+        error = _check_op(op, arr, name, process_set.size(), fields)
     request = Request(
         name=name, op=op, dtype="" if arr is None else arr.dtype.name,
         shape=() if arr is None else tuple(arr.shape), process_set=ps, error=error, **fields,

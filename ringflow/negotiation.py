@@ -285,7 +285,9 @@ class Coordinator:
             return Response(first.op, key[0], (first,), value=self.next_set_id - 1)
         return Response(first.op, key[0], (first,), joined=joined)
 
-    def _fuse(self, op: str, cached: bool, items: list[Response]) -> list[Response | CachedAllreduce]:
+    def _fuse(
+        self, op: str, cached: bool, items: list[Response]
+    ) -> list[Response | CachedAllreduce]:
         out: list[Response | CachedAllreduce] = []
         batch: list[Response] = []
         total = 0

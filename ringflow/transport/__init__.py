@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import ConfigError
 
-__all__ = ["Subset", "Transport", "Work", "available", "create", "register"]
+__all__ = ["Subset", "Transport", "Work", "available", "connect", "create", "register"]
 
 
 class Work(Protocol):
@@ -102,6 +102,32 @@ def create(name: str, *args: object, **kwargs: object) -> Transport:
         ) from None
     fn: Callable[..., Transport] = getattr(importlib.import_module(module), factory)
     return fn(*args, **kwargs)
+
+
+def connect(info: Any, store: Any, config: Any, prefix: str) -> Transport:
+    """The job's transport, chosen alike on every rank from the layout they all publish.
+
+    ``config.transport == "auto"``: shared memory when every rank is on one host; shared memory
+    within hosts plus rings across them (hierarchical) when every host has the same number of
+    ranks (more than one), numbered host by host; plain TCP otherwise. Any other value names
+    a registered transport and is used as is.
+    """
+    name = config.transport
+    kwargs: dict[str, Any] = {}
+    if name == "auto":
+        store.set(f"{prefix}layout/{info.rank}",
+                  f"{info.cross_rank},{info.local_rank},{info.local_size}".encode())
+        layout = [tuple(map(int, store.get(f"{prefix}layout/{r}").split(b",")))
+                  for r in range(info.size)]
+        local = layout[0][2]
+        by_host = all(ls == local and r == cr * local + lr
+                      for r, (cr, lr, ls) in enumerate(layout))
+        from . import shm
+
+        name = "shm" if by_host and local > 1 and shm.available() else "tcp"
+        if name == "shm":
+            kwargs["local_size"] = local
+    return create(name, info.rank, info.size, store, config, prefix=prefix, **kwargs)
 
 
 register("loopback", "ringflow.transport.loopback", "create")

@@ -1,4 +1,4 @@
-"""Shared-memory allreduce for the ranks of one host, on top of the TCP transport.
+"""Shared-memory allreduce for the ranks of one host (and hierarchical allreduce across hosts).
 
 Every local rank owns one data segment and one flag word in ``/dev/shm``, created with mode 0600
 and **unlinked as soon as every rank has mapped it**, so nothing is left behind even when a rank is
@@ -20,6 +20,12 @@ does not depend on where it sits in the buffer, results are bitwise identical on
 across fusion layouts. A half is rewritten two operations later, after every rank has passed the
 next operation's first barrier, so no rank can overwrite data another is still reading.
 
+Hierarchical (several hosts with ``L`` ranks each): step 3 reduces share ``r`` of this host only
+(no scaling), then the ``L`` shares travel in parallel, each over its own TCP ring between the
+ranks of local rank ``r`` on every host, which also applies the scale; the result is written back
+into share ``r`` before barrier 4. Each host thus sends ``2 (H-1)/H * B`` bytes across its link in
+total -- the host-level ring bound -- instead of the rank-level ``2 (N-1)/N * B`` per rank.
+
 Barriers: each rank bumps its flag word to the operation's epoch and waits until every flag has
 reached it, sleeping progressively longer while it waits. Every few milliseconds the wait checks
 the TCP transport for a failed peer and the deadline (``timeout_s``), so a dead or frozen rank
@@ -29,6 +35,7 @@ two socket round trips cost less than two barriers and a pass over ``/dev/shm``.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -38,8 +45,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import algorithms
 from ..algorithms.buffers import chunk_elems, chunk_ranges, even_split
-from ..errors import RingflowTimeoutError, TensorError
+from ..errors import ConfigError, RingflowTimeoutError, TensorError
 from ..ops import ReduceOp, check_dtype, is_float16ish, ufunc
 
 __all__ = ["SHM_MIN_BYTES", "ShmAllreduce", "ShmTransport", "create"]
@@ -71,10 +79,8 @@ class _Mapping:
 
     def close(self) -> None:
         self.array = np.empty(0, np.uint8)
-        try:
+        with contextlib.suppress(BufferError):  # a view is still alive; the GC will unmap it
             self.map.close()
-        except BufferError:  # a view is still alive somewhere; the GC will unmap it
-            pass
 
 
 class ShmAllreduce:
@@ -88,6 +94,7 @@ class ShmAllreduce:
         self.size = size
         self.timeout = timeout
         self._check_peers = check_peers
+        self.cross: Any = None  # a Transport over the same local rank of every host, if several
         self._store = store
         self._key = f"{prefix}shm/"
         if rank == 0:
@@ -98,36 +105,39 @@ class ShmAllreduce:
         self._gen = 0
         self._capacity = 0  # bytes per half
         self._segs: list[_Mapping] = []
+        self._words: list[np.ndarray] | None = None
         flag = _Mapping(self._path("f", rank), _FLAG_BYTES, create=True)
-        self._flags = self._attach("f", _FLAG_BYTES, flag, via_store=True)
+        self._flags = self._attach("f", _FLAG_BYTES, flag)
         self._words = [np.frombuffer(f.map, dtype=np.int64, count=1) for f in self._flags]
 
     def _path(self, kind: str, rank: int) -> str:
         return f"{_SHM_DIR}/{self._name}_{kind}{self._gen}_{rank}"
 
-    def _attach(self, kind: str, size: int, mine: _Mapping, via_store: bool) -> list[_Mapping]:
+    def _sync(self, step: str) -> None:
+        """Wait for every local rank to reach ``step``: through the store until the flag words
+        exist, through the flags after."""
+        if self._words is None:
+            self._store.set(f"{self._key}{step}/{self.rank}", b"1")
+            self._store.wait([f"{self._key}{step}/{r}" for r in range(self.size)], self.timeout)
+        else:
+            self.barrier()
+
+    def _attach(self, kind: str, size: int, mine: _Mapping) -> list[_Mapping]:
         """Map every rank's segment (``mine`` is this rank's), then unlink this rank's file."""
-        if via_store:
-            self._store.set(f"{self._key}{kind}/{self.rank}", b"1")
-            self._store.wait([f"{self._key}{kind}/{r}" for r in range(self.size)], self.timeout)
-        else:
-            self.barrier()
-        maps = [mine if r == self.rank else _Mapping(self._path(kind, r), size, create=False)
-                for r in range(self.size)]
-        if via_store:
-            self._store.set(f"{self._key}{kind}/attached/{self.rank}", b"1")
-            self._store.wait([f"{self._key}{kind}/attached/{r}" for r in range(self.size)],
-                             self.timeout)
-        else:
-            self.barrier()
-        os.unlink(self._path(kind, self.rank))
+        try:
+            self._sync(f"{kind}{self._gen}/created")
+            maps = [mine if r == self.rank else _Mapping(self._path(kind, r), size, create=False)
+                    for r in range(self.size)]
+            self._sync(f"{kind}{self._gen}/attached")
+        finally:
+            os.unlink(self._path(kind, self.rank))  # mapped memory lives on; the name must not
         return maps
 
     def barrier(self) -> None:
         self._epoch += 1
         self._words[self.rank][0] = self._epoch
         epoch = self._epoch
-        words = self._words
+        words = self._words or []
         if all(w[0] >= epoch for w in words):
             return
         start = time.monotonic()
@@ -158,11 +168,12 @@ class ShmAllreduce:
             seg.close()
         self._gen += 1
         mine = _Mapping(self._path("d", self.rank), 2 * capacity, create=True)
-        self._segs = self._attach("d", 2 * capacity, mine, via_store=False)
+        self._segs = self._attach("d", 2 * capacity, mine)
         self._capacity = capacity
 
     def input_view(self, n: int, dtype: np.dtype) -> np.ndarray:
-        """Where the next :meth:`allreduce` expects this rank's input (pack it here to save a copy)."""
+        """Where the next :meth:`allreduce` expects this rank's input (packing here saves a
+        copy)."""
         self._ensure(max(n * dtype.itemsize, 1))
         base = self._half * self._capacity
         return self._segs[self.rank].array[base:base + n * dtype.itemsize].view(dtype)
@@ -182,7 +193,16 @@ class ShmAllreduce:
         self._half ^= 1
         self.barrier()
         lo, hi = even_split(n, self.size)[self.rank]
-        _reduce_share(halves, lo, hi, halves[self.rank], op, postscale, self.size)
+        share = halves[self.rank]
+        if self.cross is None:
+            _reduce_share(halves, lo, hi, share, op, postscale, self.size)
+        else:
+            # This host's partial result, unscaled; the ring across hosts scales it once.
+            local = ReduceOp.SUM if op == ReduceOp.AVERAGE else op
+            _reduce_share(halves, lo, hi, share, local, 1.0, self.size)
+            total = self.size * self.cross.size
+            factor = postscale / total if op == ReduceOp.AVERAGE else postscale
+            algorithms.allreduce(self.cross, share[lo:hi], local, factor)
         self.barrier()
         in_place = out.ctypes.data == mine.ctypes.data  # this rank's share is already there
         for k, (a, b) in enumerate(even_split(n, self.size)):
@@ -238,10 +258,24 @@ class ShmTransport:
 
 
 def create(rank: int, size: int, store: Any, config: Any, prefix: str = "",
-           secret: bytes | None = None) -> ShmTransport:
-    """Every rank of the job must be on this host (the caller checks local_size == size)."""
-    from . import tcp
+           secret: bytes | None = None, local_size: int | None = None) -> ShmTransport:
+    """TCP between all ranks, plus shared memory among the ``local_size`` ranks of each host.
 
+    Ranks must be assigned host by host (``rank = host * local_size + local_rank``, as
+    ringflow-run, mpirun and srun do by default) with the same number of ranks on every host.
+    """
+    from . import Subset, tcp
+
+    local_size = size if local_size is None else local_size
+    if local_size < 1 or size % local_size:
+        raise ConfigError(
+            f"shared memory needs the same number of ranks on every host; {size} ranks with "
+            f"{local_size} on this host do not divide evenly; set RINGFLOW_TRANSPORT=tcp"
+        )
+    host, local_rank = divmod(rank, local_size)
     link = tcp.create(rank, size, store, config, prefix, secret)
-    shm = ShmAllreduce(rank, size, store, prefix, float(config.timeout_s), link.check_peers)
+    shm = ShmAllreduce(local_rank, local_size, store, f"{prefix}host{host}/",
+                       float(config.timeout_s), link.check_peers)
+    if size > local_size:
+        shm.cross = Subset(link, list(range(local_rank, size, local_size)))
     return ShmTransport(link, shm)

@@ -248,10 +248,8 @@ class _Peer:
         # data the peer has not read yet.
         self._reader.join(max(0.0, deadline - time.monotonic()))
         self.fail(PeerError(f"the transport to rank {self.rank} was closed"))
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
 
 
@@ -335,7 +333,9 @@ class TcpTransport:
         try:
             return self._peers[rank]
         except KeyError:
-            raise ValueError(f"rank {rank} is not a peer of rank {self.rank} (size {self.size})")
+            raise ValueError(
+                f"rank {rank} is not a peer of rank {self.rank} (size {self.size})"
+            ) from None
 
     def close(self, linger: float = 2.0) -> None:
         """Say goodbye to every peer, wait up to ``linger`` s for theirs, then close."""

@@ -142,7 +142,7 @@ def test_unknown_frame_tag_is_a_protocol_error():
 
 
 def test_peer_that_dies_fails_pending_receives_at_once():
-    t, sock, failures = _fake_peer(MemoryStore(10.0))
+    t, sock, _ = _fake_peer(MemoryStore(10.0))
     work = t.irecv(memoryview(bytearray(8)), 1)
     sock.close()
     with pytest.raises(PeerError, match="lost rank 1: the connection was closed"):

@@ -1,0 +1,161 @@
+"""Shared-memory and hierarchical allreduce, ranks as threads (each with its own mappings)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+
+import numpy as np
+import pytest
+
+from ringflow.config import Config
+from ringflow.errors import PeerError, RingflowTimeoutError, ShutdownError
+from ringflow.ops import BFLOAT16, ReduceOp
+from ringflow.rendezvous import MemoryStore
+from ringflow.transport import shm
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not shm.available(), reason="/dev/shm is not writable here"),
+]
+
+LENGTHS = [0, 1, 7, 30_001]
+
+
+def _leftovers(links) -> list[str]:
+    names = {link.shm._name for link in links if link is not None}
+    return [f for f in os.listdir("/dev/shm") if f.split("_d")[0].split("_f")[0] in names]
+
+
+def _ranks(n: int, local: int, fn, timeout: float = 10.0) -> list:
+    store = MemoryStore(timeout)
+    links: list = [None] * n
+    results: list = [None] * n
+    errors: list = []
+
+    def body(rank: int) -> None:
+        try:
+            links[rank] = shm.create(rank, n, store, Config(timeout_s=timeout),
+                                     secret=b"k" * 32, local_size=local)
+            results[rank] = fn(rank, links[rank])
+        except BaseException as exc:  # re-raised below with the rank
+            errors.append((rank, exc))
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for link in links:
+        if link is not None:
+            link.close(linger=0.5)
+    assert _leftovers(links) == []
+    if errors:
+        rank, exc = errors[0]
+        raise AssertionError(f"rank {rank}: {exc!r}") from exc
+    return results
+
+
+def _expected(dtype, op, n: int, length: int) -> np.ndarray:
+    contrib = [(np.arange(length) % 5 + r + 1).astype(np.float64) for r in range(n)]
+    if op == ReduceOp.SUM:
+        out = np.sum(contrib, axis=0)
+    elif op == ReduceOp.AVERAGE:
+        out = np.sum(contrib, axis=0) / n
+        if np.dtype(dtype).kind in "iu":
+            out = np.trunc(out)
+    elif op == ReduceOp.MIN:
+        out = np.min(contrib, axis=0)
+    elif op == ReduceOp.MAX:
+        out = np.max(contrib, axis=0)
+    else:
+        out = np.prod(contrib, axis=0)
+    return out.astype(dtype)
+
+
+@pytest.mark.parametrize(("n", "local"), [(1, 1), (2, 2), (3, 3), (4, 4), (4, 2), (6, 2)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64, np.float16,
+                                   BFLOAT16, np.uint8])
+def test_allreduce_closed_form_and_bitwise_identical(n, local, dtype):
+    ops = [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT]
+    if np.dtype(dtype) == np.uint8:
+        ops = [ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX]  # products overflow a byte
+
+    def body(rank: int, link) -> dict:
+        got = {}
+        for op in ops:
+            for length in LENGTHS:
+                x = (np.arange(length) % 5 + rank + 1).astype(dtype)
+                out = np.empty_like(x)
+                link.shm.allreduce(x, out, op)
+                got[(op, length)] = out
+        return got
+
+    results = _ranks(n, local, body)
+    for op in ops:
+        for length in LENGTHS:
+            want = _expected(dtype, op, n, length)
+            first = results[0][(op, length)]
+            tol = 0 if np.dtype(dtype).itemsize > 2 or op != ReduceOp.AVERAGE else 1e-2
+            np.testing.assert_allclose(first.astype(np.float64), want.astype(np.float64),
+                                       rtol=tol, err_msg=f"{op.name} length {length}")
+            for r in range(1, n):
+                assert results[r][(op, length)].tobytes() == first.tobytes(), (r, op, length)
+
+
+def test_float16_average_does_not_overflow_and_in_place_works():
+    def body(rank: int, link) -> np.ndarray:
+        x = np.full(70_001, 40000.0, np.float16)
+        link.shm.allreduce(x, x, ReduceOp.AVERAGE)
+        return x
+
+    for out in _ranks(4, 4, body):
+        assert np.all(out == 40000.0)
+
+
+def test_input_view_packing_and_postscale():
+    def body(rank: int, link) -> np.ndarray:
+        view = link.shm.input_view(10, np.dtype(np.float32))
+        view[:] = rank + 1
+        link.shm.allreduce(view, view, ReduceOp.SUM, postscale=0.5)
+        return view.copy()
+
+    for out in _ranks(3, 3, body):
+        assert np.all(out == 3.0)
+
+
+def test_segments_are_owner_only_and_unlinked_once_mapped(tmp_path):
+    path = str(tmp_path / "seg")
+    mapping = shm._Mapping(path, 4096, create=True)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    mapping.close()
+    # _ranks asserts that no file of the job is left, here after a 4 MiB segment was grown.
+    _ranks(2, 2, lambda rank, link: link.shm.allreduce(np.ones(1 << 20, np.float32),
+                                                        np.empty(1 << 20, np.float32),
+                                                        ReduceOp.SUM))
+
+
+def test_a_rank_that_never_arrives_times_out_naming_it():
+    def body(rank: int, link):
+        if rank == 1:
+            return None  # never enters the allreduce
+        with pytest.raises(RingflowTimeoutError, match=r"local ranks \[1\] did not reach"):
+            link.shm.allreduce(np.ones(10, np.float32), np.empty(10, np.float32),
+                               ReduceOp.SUM)
+        return "timed out"
+
+    assert _ranks(2, 2, body, timeout=1.0)[0] == "timed out"
+
+
+def test_a_dead_peer_ends_the_barrier_wait():
+    def body(rank: int, link):
+        if rank == 1:
+            link.tcp.close(linger=0)  # what the others see when a process leaves
+            return None
+        with pytest.raises((PeerError, ShutdownError), match="rank 1"):
+            link.shm.allreduce(np.ones(10, np.float32), np.empty(10, np.float32),
+                               ReduceOp.SUM)
+        return "failed"
+
+    assert _ranks(2, 2, body, timeout=20.0)[0] == "failed"
