@@ -14,7 +14,7 @@ setup(
         "tensorflow": ["tensorflow-cpu"],
         "mpi": ["mpi4py", "openmpi"],
         "gpu": ["cupy-cuda12x"],
-        "test": ["pytest", "pytest-timeout", "scikit-learn", "pyyaml"],
+        "test": ["pytest", "pytest-timeout", "scikit-learn", "pyyaml", "mpi4py", "openmpi"],
     },
     entry_points={"console_scripts": ["ringflow-run = ringflow.runner.cli:main"]},
 )

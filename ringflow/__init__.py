@@ -12,7 +12,8 @@ import atexit
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -194,7 +195,9 @@ def _name(op: str, name: str | None, ps: int) -> str:
 def _check(array: Any, what: str) -> tuple[np.ndarray | None, str]:
     """The array as a C-contiguous numpy array, or None and the reason it cannot be used."""
     try:
-        arr = np.ascontiguousarray(array)
+        arr = np.asarray(array)  # ascontiguousarray would turn a 0-d array into shape (1,)
+        if not arr.flags.c_contiguous:
+            arr = np.array(arr, order="C")
         _ops.check_dtype(arr.dtype, what)
     except (RingflowError, TypeError, ValueError) as exc:
         return None, str(exc)
@@ -438,6 +441,26 @@ class _GroupHandle(Handle):
         return all(h.poll() for h in self.handles)
 
     def wait(self, timeout: float | None = None) -> list[Any]:
-        return [h.wait(timeout) for h in self.handles]
+        if timeout is None:
+            return [h.wait() for h in self.handles]
+        deadline = time.monotonic() + timeout  # one deadline for the group, not one per tensor
+        return [h.wait(max(0.0, deadline - time.monotonic())) for h in self.handles]
 
     result = wait
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(group_handle)`` once every tensor of the group is done."""
+        left = [len(self.handles)]
+        lock = threading.Lock()
+
+        def one(_: Handle) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn(self)
+
+        if not self.handles:
+            fn(self)
+        for h in self.handles:
+            h.add_done_callback(one)

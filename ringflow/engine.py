@@ -23,6 +23,7 @@ naming it. A heartbeat thread exchanges a small message between each rank and ra
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import queue
 import threading
@@ -158,6 +159,7 @@ class Engine:
         requests: list[Request] = []
         bits: list[int] = []
         plans: list[list] = []
+        departed: list[tuple] = []
         stop = False
         for item in items:
             kind = item[0]
@@ -165,6 +167,10 @@ class Engine:
                 self._accept(item[1], requests, bits)
             elif kind == "ctrl":
                 self._on_message(item[1], item[2], plans)
+            elif kind == "peer" and isinstance(item[2], ShutdownError):
+                # A peer that shut down on purpose sent its last plans before its goodbye:
+                # execute them first (they may hold this rank's results or errors).
+                departed.append(item)
             elif kind == "peer":
                 self._on_peer(item[1], item[2])
             elif kind == "stop":
@@ -180,16 +186,18 @@ class Engine:
                 plans.append(plan)
         for plan in plans:
             self._execute(plan)
+        for _, peer, error in departed:
+            self._on_peer(peer, error)
         self._check_liveness()
         return stop
 
     def _accept(self, entry: Entry, requests: list[Request], bits: list[int]) -> None:
         req = entry.request
         if req.key in self._pending:
-            entry.handle._finish(error=errors.TensorError(
-                f"tensor {req.name!r} was submitted again while it was in flight; wait for the "
-                "first handle or use another name"))
-            requests.append(_with_error(req, "it was submitted again while in flight"))
+            why = (f"tensor {req.name!r} was submitted again while it was in flight; wait for "
+                   "the first handle or use another name")
+            entry.handle._finish(error=errors.TensorError(why))
+            requests.append(_with_error(req, why))
             return
         self._pending[req.key] = entry
         bit = None if req.error else self.cache.lookup(req)
@@ -351,20 +359,22 @@ class Engine:
                     entry.handle._finish(error=getattr(errors, item.error_type,
                                                        errors.RingflowError)(item.error))
             return
-        if members is None and item.op != "remove_process_set" or (
+        if (members is None and item.op != "remove_process_set") or (
             members is not None and self.rank not in members
         ):
             return
         try:
             results = self._collective(item, entries)
-        except RingflowError as exc:
-            for entry in entries:
+        except RingflowError:
+            # A data-plane failure is the job's: back to pending, so that the handles fail with
+            # the one text rank 0 announces (_fail_job), not with this rank's view of it.
+            for req, entry in zip(item.requests, entries, strict=True):
                 if entry is not None:
-                    entry.handle._finish(error=_clone(exc))
+                    self._pending[req.key] = entry
             raise
         self.stats["collectives"] += 1
         self.stats["tensors"] += len(entries)
-        for entry, result in zip(entries, results):
+        for entry, result in zip(entries, results, strict=True):
             if entry is not None:
                 entry.handle._finish(result)
 
@@ -384,7 +394,8 @@ class Engine:
             algorithms.broadcast(t, out.reshape(-1), req.root)
             return [out]
         if op == "alltoall":
-            return [algorithms.alltoall(t, entry.array, list(req.splits))]
+            # Splits differ by rank: each rank sends by its own request, not the reference one.
+            return [algorithms.alltoall(t, entry.array, list(entry.request.splits))]
         if op == "reducescatter":
             buf = entry.array
             if req.prescale != 1.0:
@@ -399,7 +410,7 @@ class Engine:
         ref = refs[0]
         wire = ref.wire_dtype
         reduce_op = ReduceOp(ref.reduce_op)
-        sizes = [int(np.prod(r.shape, dtype=np.int64)) for r in refs]
+        sizes = [math.prod(r.shape) for r in refs]
         total = sum(sizes)
         # Same-host jobs reduce large buffers in shared memory (transport/shm.py).
         shm = getattr(t, "shm", None) if total * wire.itemsize >= SHM_MIN_BYTES else None
@@ -421,7 +432,7 @@ class Engine:
             return [out]
         buf = shm.input_view(total, wire) if shm else self._fusion_buffer(wire, total)
         offset = 0
-        for entry, n in zip(entries, sizes):
+        for entry, n in zip(entries, sizes, strict=True):
             view = buf[offset:offset + n]
             if entry is None or entry.array is None:
                 view.fill(0)
@@ -436,7 +447,7 @@ class Engine:
             algorithms.allreduce(t, buf, reduce_op, ref.postscale)
         results: list[Any] = []
         offset = 0
-        for entry, r, n in zip(entries, refs, sizes):
+        for entry, r, n in zip(entries, refs, sizes, strict=True):
             if entry is None:
                 results.append(None)
             else:
@@ -451,30 +462,30 @@ class Engine:
         me = t.rank
         if len(refs) == 1 and entries[0] is not None:
             return [algorithms.allgather(t, entries[0].array, list(item.first_dims[0]))]
-        row_bytes = [int(np.prod(r.shape[1:], dtype=np.int64)) * DTYPES[r.dtype].itemsize
+        row_bytes = [math.prod(r.shape[1:]) * DTYPES[r.dtype].itemsize
                      for r in refs]
-        counts = [sum(d[m] * rb for d, rb in zip(item.first_dims, row_bytes))
+        counts = [sum(d[m] * rb for d, rb in zip(item.first_dims, row_bytes, strict=True))
                   for m in range(t.size)]
         send = self._fusion_buffer(np.dtype(np.uint8), counts[me])
         offset = 0
-        for entry, dims, rb in zip(entries, item.first_dims, row_bytes):
+        for entry, dims, rb in zip(entries, item.first_dims, row_bytes, strict=True):
             n = dims[me] * rb
             if entry is not None and n:
                 send[offset:offset + n] = entry.array.reshape(-1).view(np.uint8)
             offset += n
         gathered = algorithms.allgather(t, send[:counts[me]].copy(), counts)
-        outs = [np.empty((sum(d),) + r.shape[1:], DTYPES[r.dtype])
-                for d, r in zip(item.first_dims, refs)]
+        outs = [np.empty((sum(d), *r.shape[1:]), DTYPES[r.dtype])
+                for d, r in zip(item.first_dims, refs, strict=True)]
         flat = [o.reshape(-1).view(np.uint8) for o in outs]
         cursor = [0] * len(outs)
         offset = 0
         for m in range(t.size):
-            for i, (dims, rb) in enumerate(zip(item.first_dims, row_bytes)):
+            for i, (dims, rb) in enumerate(zip(item.first_dims, row_bytes, strict=True)):
                 n = dims[m] * rb
                 flat[i][cursor[i]:cursor[i] + n] = gathered[offset:offset + n]
                 cursor[i] += n
                 offset += n
-        return [o if e is not None else None for o, e in zip(outs, entries)]
+        return [o if e is not None else None for o, e in zip(outs, entries, strict=True)]
 
     def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
         """A reused buffer of at least ``n`` elements of ``dtype`` (grown, never shrunk)."""

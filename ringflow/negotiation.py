@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -73,7 +74,8 @@ class Request:
     def nbytes(self) -> int:
         if not self.dtype:
             return 0
-        return int(np.prod(self.shape, dtype=np.int64)) * self.wire_dtype.itemsize
+        # math.prod, not np.prod: this runs per tensor per cycle (np.prod costs ~5 us).
+        return math.prod(self.shape) * self.wire_dtype.itemsize
 
     @property
     def wire_dtype(self) -> np.dtype:
@@ -228,7 +230,7 @@ class Coordinator:
                 items.append(item)
                 continue
             ref = item.requests[0]
-            fkey = (item.op, key[0], str(ref.wire_dtype), ref.reduce_op, ref.prescale,
+            fkey = (item.op, key[0], ref.wire_dtype, ref.reduce_op, ref.prescale,
                     ref.postscale, ref.device, item.joined, cached and item.op == "allreduce")
             fusable.setdefault(fkey, []).append((item, cached))
         for fkey, members in fusable.items():

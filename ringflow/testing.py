@@ -11,7 +11,9 @@ and calls ``fn(t, *args)``. Contract:
   itself causes on the other ranks are not reported.
 - Past ``deadline`` seconds, the lowest unfinished rank is reported as a RankFailure ("did not
   finish within ...", with the stack it is stuck in) and every rank is aborted.
-- Every transport is closed before ``run_ranks`` returns or raises.
+- Each rank closes its own transport when ``fn`` returns (all ranks concurrently, as processes
+  would at exit); after a failure the harness closes them all. Closing is bounded in time, so a
+  transport whose ``close`` hangs cannot hang the test run.
 
 Transports: ``"loopback"`` (one :class:`~ringflow.transport.loopback.LoopbackWorld`) or ``"tcp"``
 (real sockets on this host, through ``ringflow.transport.create("tcp", rank, n, store, config)``
@@ -21,6 +23,7 @@ the deadline, so a hang is always reported by the deadline.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -42,6 +45,8 @@ _JOIN_GRACE_S = 5.0
 # Transport and store timeouts are a multiple of the deadline, so that a stuck test is reported
 # by the deadline (with the stack of the stuck rank), not by whichever rank's timeout fires first.
 _OP_TIMEOUT_FACTOR = 2.0
+# How long closing the transports may take in all (tcp lingers up to 2 s for goodbyes).
+_CLOSE_WAIT_S = 10.0
 
 
 class _Run:
@@ -109,6 +114,10 @@ def run_ranks(
                 t.close()
                 raise PeerError(f"rank {rank}: the test was aborted while it was connecting")
             result = fn(t, *args)
+            # Each rank closes its own transport when done, as a process would at exit; the
+            # ranks close concurrently, so a transport that lingers for its peers' goodbyes
+            # waits once, not once per rank.
+            t.close()
         except BaseException as exc:
             text = traceback.format_exc()
             with run.cond:
@@ -160,17 +169,13 @@ def run_ranks(
 
     if error is not None:
         abort(PeerError(f"{reason}; the test harness aborted every rank"))
-        for t in transports:
-            if t is not None:
-                t.close()
+        _close_all(transports)
         grace_end = time.monotonic() + min(_JOIN_GRACE_S, deadline)
         for thread in threads:
             thread.join(max(0.0, grace_end - time.monotonic()))
     with run.cond:
         transports = list(run.transports)
-    for t in transports:
-        if t is not None:
-            t.close()
+    _close_all(transports)  # idempotent for those the ranks closed themselves
     if store is not None:
         store.close()
     if error is not None:
@@ -178,18 +183,32 @@ def run_ranks(
     return run.results
 
 
-# --- spawn_ranks (processes) -------------------------------------------------------------------
-# spawn_ranks starts real processes through ringflow.runner.launch.run_job (the ringflow-run
-# machinery), so each worker has the full RINGFLOW_* contract. Its stdlib imports are local to keep
-# this section self-contained.
+def _close_all(transports: Sequence[Transport | None]) -> None:
+    """Close the transports concurrently, waiting at most ``_CLOSE_WAIT_S`` for all of them.
 
-_SPAWN_BOOTSTRAP = (
-    "import pickle, sys\n"
-    "with open(sys.argv[1], 'rb') as f:\n"
-    "    sys.path[:] = pickle.load(f)\n"
-    "from ringflow.testing import _spawned_main\n"
-    "_spawned_main(sys.argv[1], sys.argv[2])\n"
-)
+    Concurrently because a transport may linger in ``close`` for its peers' goodbyes; bounded
+    because a transport whose ``close`` hangs must not hang the test run (the close threads are
+    daemons and their errors are ignored: the ranks' outcome is already known).
+    """
+
+    def close(t: Transport) -> None:
+        with contextlib.suppress(Exception):
+            t.close()
+
+    closers = [
+        threading.Thread(target=close, args=(t,), name="ringflow-close", daemon=True)
+        for t in transports
+        if t is not None
+    ]
+    for thread in closers:
+        thread.start()
+    end = time.monotonic() + _CLOSE_WAIT_S
+    for thread in closers:
+        thread.join(max(0.0, end - time.monotonic()))
+
+
+# --- spawn_ranks (processes) -------------------------------------------------------------------
+# spawn_ranks is ringflow.run (ringflow.runner.pyrun) with a test deadline: one implementation.
 
 
 def spawn_ranks(
@@ -197,12 +216,12 @@ def spawn_ranks(
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``n`` processes, one per rank; return the results in rank order.
 
-    The processes are started by :func:`ringflow.runner.launch.run_job`, as ``ringflow-run -np n``
-    would start them: each has the full ``RINGFLOW_*`` environment contract (rank, size, rendezvous
-    store, secret), so ``fn`` can call ``ringflow.init()``. ``fn``, ``args`` and the return values
-    travel by pickle, so ``fn`` must be a module-level function of an importable module; the
-    workers get this process's ``sys.path`` and working directory. Output is relayed prefixed
-    ``[rank]:``.
+    The processes are started by :func:`ringflow.run` (through
+    :func:`ringflow.runner.launch.run_job`), as ``ringflow-run -np n`` would start them: each has
+    the full ``RINGFLOW_*`` environment contract (rank, size, rendezvous store, secret), so ``fn``
+    can call ``ringflow.init()``. ``fn``, ``args`` and the return values travel pickled through the
+    job's store; the workers get this process's ``sys.path`` and working directory. Output is
+    relayed prefixed ``[rank]:``.
 
     Raises:
         RankFailure: the first rank whose ``fn`` raised (message: ``"<type>: <msg>"`` and the
@@ -210,89 +229,8 @@ def spawn_ranks(
             ``deadline`` seconds pass, every rank is killed and the lowest unfinished rank is named.
         ConfigError: ``n < 1``, or ``fn`` / ``args`` cannot be pickled.
     """
-    import os
-    import pickle
-    import tempfile
-
-    from .runner.hosts import Host, assign_ranks
-    from .runner.launch import run_job
+    from .runner.pyrun import run
 
     if n < 1:
         raise ConfigError(f"spawn_ranks(n={n}) needs at least one rank; pass n >= 1")
-    with tempfile.TemporaryDirectory(prefix="ringflow-spawn-") as workdir:
-        payload = os.path.join(workdir, "payload.pkl")
-        try:
-            with open(payload, "wb") as f:
-                pickle.dump(list(sys.path), f)
-                pickle.dump((fn, args), f)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise ConfigError(
-                f"spawn_ranks could not pickle {fn!r} and its args ({exc}); pass a module-level "
-                "function of an importable module and picklable arguments"
-            ) from exc
-        workers = assign_ranks([Host("localhost", n)], n)
-        command = [sys.executable, "-c", _SPAWN_BOOTSTRAP, payload, workdir]
-        result = run_job(command, workers, timeout_s=deadline)
-        outcomes = [_read_outcome(workdir, rank) for rank in range(n)]
-    if result.first_failure is not None:
-        rank = result.first_failure.rank
-        outcome = outcomes[rank]
-        if outcome is not None and outcome[0] == "error":
-            raise RankFailure(rank, f"{outcome[1]}\n{outcome[2]}")
-        tail = "\n".join(result.first_failure.stderr_tail)
-        raise RankFailure(rank, f"{result.first_failure.describe()}\n{tail}".rstrip())
-    if result.timed_out or result.stopped_by is not None:
-        unfinished = result.unfinished
-        rank = unfinished[0] if unfinished else 0
-        raise RankFailure(
-            rank,
-            f"did not finish within the deadline of {deadline} s; ranks {unfinished} were still "
-            "running and were killed (a hang, or raise spawn_ranks' deadline)",
-        )
-    values = []
-    for rank, outcome in enumerate(outcomes):
-        if outcome is None or outcome[0] != "ok":
-            raise RankFailure(rank, "exited with code 0 without reporting a result")
-        values.append(outcome[1])
-    return values
-
-
-def _result_path(workdir: str, rank: int) -> str:
-    import os
-
-    return os.path.join(workdir, f"result-{rank}.pkl")
-
-
-def _read_outcome(workdir: str, rank: int) -> tuple[Any, ...] | None:
-    import pickle
-
-    # Written by our own child processes into a private (0700) temporary directory.
-    try:
-        with open(_result_path(workdir, rank), "rb") as f:
-            return tuple(pickle.load(f))
-    except (OSError, EOFError, pickle.UnpicklingError):
-        return None
-
-
-def _spawned_main(payload: str, workdir: str) -> None:
-    """The body of a :func:`spawn_ranks` worker process."""
-    import os
-    import pickle
-
-    rank = int(os.environ["RINGFLOW_RANK"])
-    code = 0
-    try:
-        with open(payload, "rb") as f:
-            pickle.load(f)  # sys.path, already applied by the bootstrap
-            fn, args = pickle.load(f)
-        outcome: tuple[Any, ...] = ("ok", fn(*args))
-        data = pickle.dumps(outcome)
-    except BaseException as exc:  # every failure goes back to the parent, with its traceback
-        outcome = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
-        data = pickle.dumps(outcome)
-        code = 1
-    tmp = _result_path(workdir, rank) + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, _result_path(workdir, rank))
-    sys.exit(code)
+    return run(fn, args, np=n, timeout=deadline)

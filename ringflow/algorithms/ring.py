@@ -216,8 +216,9 @@ def allreduce(t: Transport, buf: np.ndarray, op: ReduceOp, postscale: float = 1.
     """Reduce ``buf`` over all ranks in place (ring; see the module docstring).
 
     ``buf`` is a writable C-contiguous array (any shape; treated as 1-D) of the same dtype and
-    size on every rank. Raises TensorError for an unsupported dtype/op, PeerError,
-    RingflowTimeoutError or ProtocolError from the transport.
+    size on every rank. Raises TensorError for an unsupported dtype/op (before any message), or
+    PeerError, RingflowTimeoutError or ProtocolError from the transport, after which the contents
+    of ``buf`` are unspecified.
     """
     flat = _inplace_flat(buf, "allreduce buffer")
     red = _Reduction(flat.dtype, op, postscale, t.size, "allreduce buffer")

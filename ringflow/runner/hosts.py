@@ -8,6 +8,10 @@ are not part of the job. For each rank it computes ``local_rank`` / ``local_size
 among, and the count of, the ranks on its host) and ``cross_rank`` / ``cross_size`` (its host's
 index among, and the count of, the hosts used). More ranks than slots is an error raised before
 anything starts: ``-np`` is honoured exactly, never silently reduced or oversubscribed.
+
+:func:`parse_hostfile` reads horovodrun's / Open MPI's host file: one ``HOST [slots=N]`` per line
+(``HOST:N`` is accepted too), ``#`` starts a comment, blank lines are skipped. A line that is none
+of these is rejected with its file name and line number.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import socket
 
 from ..errors import LaunchError
 
-__all__ = ["Host", "WorkerSpec", "assign_ranks", "is_local", "parse_hosts"]
+__all__ = ["Host", "WorkerSpec", "assign_ranks", "is_local", "parse_hostfile", "parse_hosts"]
 
 _LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -85,6 +89,51 @@ def parse_hosts(spec: str) -> list[Host]:
             )
         seen.add(name)
         hosts.append(Host(name, slots))
+    return hosts
+
+
+_HOSTFILE_LINE = re.compile(r"^(?P<host>\S+?)(?:\s+slots\s*=\s*(?P<slots>\S+))?$")
+
+
+def parse_hostfile(path: str) -> list[Host]:
+    """Parse a host file: ``HOST slots=N`` (or ``HOST:N``, or ``HOST`` for one slot) per line.
+
+    Raises:
+        LaunchError: the file cannot be read, lists no host, or has a line that is not one of the
+            forms above (the message names the file, the line number and the line), or names a
+            host twice.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LaunchError(f"cannot read --hostfile {path!r}: {exc}") from exc
+    hosts: list[Host] = []
+    for number, raw in enumerate(lines, start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"--hostfile {path!r} line {number} ({raw.strip()!r})"
+        match = _HOSTFILE_LINE.match(line)
+        host = match.group("host") if match else ""
+        slots = match.group("slots") if match else None
+        if match is None or (slots is not None and ":" in host and not host.startswith("[")):
+            raise LaunchError(
+                f"{where} is not valid; expected 'HOST slots=N' (or 'HOST:N' or 'HOST'), "
+                "e.g. 'node1 slots=4'"
+            )
+        try:
+            (parsed,) = parse_hosts(host if slots is None else f"{host}:{slots}")
+        except LaunchError as exc:
+            raise LaunchError(f"{where}: {exc}") from None
+        if any(h.name == parsed.name for h in hosts):
+            raise LaunchError(
+                f"{where} names host {parsed.name!r} a second time; list it once with the sum "
+                "of its slots"
+            )
+        hosts.append(parsed)
+    if not hosts:
+        raise LaunchError(f"--hostfile {path!r} lists no host; add lines such as 'node1 slots=4'")
     return hosts
 
 

@@ -1,10 +1,17 @@
-"""Start, supervise and stop the workers of one job on this host.
+"""Start, supervise and stop the workers of one job, on this host and over ssh.
 
 :func:`run_job` is the whole life of a job: it generates a secret, starts a rendezvous
-``StoreServer`` on 127.0.0.1 (a single-host job never listens beyond loopback), starts one process
-per :class:`~ringflow.runner.hosts.WorkerSpec` with the environment contract of DESIGN.md section 5,
-relays their output, and waits. ``ringflow-run`` (:mod:`ringflow.runner.cli`) and
-:func:`ringflow.testing.spawn_ranks` both call it; a future ``ringflow.run(fn, np)`` can too.
+``StoreServer`` (on 127.0.0.1 when every host is this machine: a single-host job never listens
+beyond loopback; else on the address the other hosts route to, see :mod:`.netif`), starts one
+process per :class:`~ringflow.runner.hosts.WorkerSpec` with the environment contract of DESIGN.md
+section 5, relays their output, and waits. ``ringflow-run`` (:mod:`ringflow.runner.cli`),
+``ringflow.run`` (:mod:`ringflow.runner.pyrun`) and :func:`ringflow.testing.spawn_ranks` call it.
+
+A worker on another host is an ``ssh`` process running the remote bootstrap
+(:mod:`.ssh`, :mod:`.remote`); to the launcher it is a local child like any other: its output is
+relayed, its exit status is the remote worker's (a remote status above 128 is read as the signal
+``status - 128``, 255 is ssh's own failure), and stopping it (SIGTERM to the ssh process) closes
+the connection, which makes the remote bootstrap kill the worker.
 
 Each worker
     * runs ``command`` as given (an argv list, never through a shell), with ``stdin`` from
@@ -21,8 +28,10 @@ Each worker
       calling thread; call :func:`run_job` from a thread that outlives the job.
 
 Output: every line a worker writes to stdout (stderr) is written to ``stdout`` (``stderr``) as
-``[rank]:line``. Bytes are split on ``\\n``; a final line without one is flushed at EOF; invalid
-UTF-8 is replaced, never fatal.
+``[rank]:line`` (``timestamps``: ``YYYY-mm-dd HH:MM:SS.mmm [rank]:line``). Bytes are split on
+``\\n``; a final line without one is flushed at EOF; invalid UTF-8 is replaced, never fatal. With
+``output_dir`` the bytes go unchanged to ``output_dir/rank.N/stdout`` and ``.../stderr`` instead
+(horovodrun's ``--output-filename``); the failure report still shows the stderr tail.
 
 Failure: the first worker to exit non-zero or by a signal is the job's *first failure*. Every other
 worker's session gets SIGTERM, then SIGKILL after ``grace_s``. The job's exit code is the first
@@ -45,12 +54,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import IO
+from typing import IO, Any
 
 from ..errors import ConfigError, LaunchError
 from .hosts import WorkerSpec, is_local
+from .ssh import SshOptions, ssh_argv
 
-__all__ = ["DEFAULT_GRACE_S", "JobResult", "LocalJob", "WorkerExit", "run_job", "worker_environ"]
+__all__ = [
+    "DEFAULT_GRACE_S", "JobResult", "LocalJob", "WorkerExit", "run_job", "start_store",
+    "worker_environ",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +74,7 @@ DEFAULT_GRACE_S = 5.0
 TAIL_LINES = 20
 _POLL_S = 0.02
 _PR_SET_PDEATHSIG = 1
+_SSH_FAILED = 255
 
 Command = Sequence[str] | Callable[[WorkerSpec], Sequence[str]]
 
@@ -73,6 +87,8 @@ class WorkerExit:
     host: str
     returncode: int
     stderr_tail: tuple[str, ...] = ()
+    #: Whether the worker ran on another host, through ssh.
+    remote: bool = False
 
     @property
     def exit_status(self) -> int:
@@ -83,7 +99,13 @@ class WorkerExit:
         if self.returncode < 0:
             signame = _signame(-self.returncode)
             return f"rank {self.rank} on host {self.host} was killed by signal {signame}"
-        return f"rank {self.rank} on host {self.host} exited with code {self.returncode}"
+        text = f"rank {self.rank} on host {self.host} exited with code {self.returncode}"
+        if self.remote and self.returncode == _SSH_FAILED:
+            text += (
+                f" (ssh's own failure code: check that `ssh -o BatchMode=yes {self.host} true` "
+                "works without a prompt and that the host key is known)"
+            )
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +174,8 @@ def worker_environ(
 
 
 class LocalJob:
-    """The worker processes of one job on this host: start, relay output, wait, stop.
+    """The worker processes of one job (local children, or ssh for other hosts): start, relay
+    output, wait, stop.
 
     ``stop(signum)`` only sets a flag, so it is safe to call from a signal handler or another
     thread; :meth:`wait` acts on it.
@@ -170,13 +193,15 @@ class LocalJob:
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
         grace_s: float = DEFAULT_GRACE_S,
+        ssh: SshOptions | None = None,
+        output_dir: str | None = None,
+        timestamps: bool = False,
     ) -> None:
-        remote = sorted({w.host for w in workers if not is_local(w.host)})
-        if remote:
-            raise LaunchError(
-                f"hosts {remote} are not this machine, and this ringflow-run starts workers on "
-                "this host only; use -H localhost:N"
-            )
+        self._ssh = ssh if ssh is not None else SshOptions()
+        self._remote = [not is_local(w.host) for w in workers]
+        self._output_dir = output_dir
+        self._timestamps = timestamps
+        self._stdins: list[IO[bytes]] = []
         self._command = command
         self._workers = list(workers)
         self._secret = secret
@@ -208,6 +233,7 @@ class LocalJob:
         """
         setup = _child_setup(os.getpid())
         addr, port = self._rendezvous
+        files = self._open_output_files()
         try:
             for spec in self._workers:
                 argv = list(self._command(spec) if callable(self._command) else self._command)
@@ -219,18 +245,42 @@ class LocalJob:
                 self._procs.append(self._spawn(spec, argv, env, setup))
         except BaseException:
             self._terminate(range(len(self._procs)))
+            for f in files.values():
+                f.close()
             raise
         for spec, proc in zip(self._workers, self._procs, strict=True):
-            for stream, out, tail in (
-                (proc.stdout, self._out, None),
-                (proc.stderr, self._err, self._tails[spec.rank]),
+            for stream, out, tail, name in (
+                (proc.stdout, self._out, None, "stdout"),
+                (proc.stderr, self._err, self._tails[spec.rank], "stderr"),
             ):
+                target: IO[str] | IO[bytes] = files.get((spec.rank, name), out)
                 thread = threading.Thread(
-                    target=self._pump, args=(stream, spec.rank, out, tail),
+                    target=self._pump, args=(stream, spec.rank, target, tail),
                     name=f"ringflow-run-rank{spec.rank}-output", daemon=True,
                 )
                 thread.start()
                 self._threads.append(thread)
+
+    def _open_output_files(self) -> dict[tuple[int, str], IO[bytes]]:
+        """``output_dir/rank.N/{stdout,stderr}``, opened before any worker starts."""
+        files: dict[tuple[int, str], IO[bytes]] = {}
+        if self._output_dir is None:
+            return files
+        try:
+            for spec in self._workers:
+                folder = os.path.join(self._output_dir, f"rank.{spec.rank}")
+                os.makedirs(folder, exist_ok=True)
+                for name in ("stdout", "stderr"):
+                    # Closed by the thread that pumps into it.
+                    files[spec.rank, name] = open(os.path.join(folder, name), "wb")  # noqa: SIM115
+        except OSError as exc:
+            for f in files.values():
+                f.close()
+            raise LaunchError(
+                f"cannot write the output files under --output-filename {self._output_dir!r}: "
+                f"{exc}; pick a writable directory"
+            ) from exc
+        return files
 
     def _spawn(
         self,
@@ -239,6 +289,8 @@ class LocalJob:
         env: dict[str, str],
         setup: Callable[[], None] | None,
     ) -> subprocess.Popen[bytes]:
+        if self._remote[spec.rank]:
+            return self._spawn_remote(spec, argv, env, setup)
         read_fd, write_fd = os.pipe()
         try:
             # 65 bytes fit in any pipe buffer, so this write never blocks.
@@ -261,10 +313,41 @@ class LocalJob:
             if write_fd >= 0:
                 os.close(write_fd)
 
+    def _spawn_remote(
+        self,
+        spec: WorkerSpec,
+        argv: list[str],
+        env: dict[str, str],
+        setup: Callable[[], None] | None,
+    ) -> subprocess.Popen[bytes]:
+        ssh = ssh_argv(spec.host, argv, env, self._ssh)
+        try:
+            proc = subprocess.Popen(
+                ssh, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, preexec_fn=setup, bufsize=0,
+            )
+        except OSError as exc:
+            raise LaunchError(
+                f"could not start ssh for rank {spec.rank} on {spec.host}: {exc}; install the "
+                "OpenSSH client (ssh) on this host"
+            ) from exc
+        stdin = proc.stdin
+        if stdin is None:  # pragma: no cover - stdin=PIPE always gives one
+            raise LaunchError(f"ssh for rank {spec.rank} has no stdin pipe")
+        # Kept open for the life of the job: its end-of-file tells the remote side to stop.
+        self._stdins.append(stdin)
+        with contextlib.suppress(OSError):  # an ssh that died at once is reported by wait()
+            stdin.write((self._secret.hex() + "\n").encode("ascii"))
+        return proc
+
     def _pump(
-        self, stream: IO[bytes], rank: int, out: IO[str], tail: collections.deque[str] | None
+        self,
+        stream: IO[bytes],
+        rank: int,
+        out: IO[str] | IO[bytes],
+        tail: collections.deque[str] | None,
     ) -> None:
-        lock = self._locks[id(out)]
+        lock = self._locks.setdefault(id(out), threading.Lock())
         prefix = f"[{rank}]:"
         pending = b""
         with contextlib.suppress(OSError, ValueError):
@@ -272,17 +355,21 @@ class LocalJob:
                 *lines, pending = (pending + chunk).split(b"\n")
                 self._emit(out, lock, prefix, lines, tail)
         if pending:
-            self._emit(out, lock, prefix, [pending], tail)
+            self._emit(out, lock, prefix, [pending], tail, newline=b"")
         with contextlib.suppress(OSError):
             stream.close()
+        if self._output_dir is not None:
+            with contextlib.suppress(OSError):
+                out.close()
 
-    @staticmethod
     def _emit(
-        out: IO[str],
+        self,
+        out: IO[str] | IO[bytes],
         lock: threading.Lock,
         prefix: str,
         lines: list[bytes],
         tail: collections.deque[str] | None,
+        newline: bytes = b"\n",
     ) -> None:
         if not lines:
             return
@@ -290,7 +377,14 @@ class LocalJob:
         if tail is not None:
             tail.extend(text)
         with lock, contextlib.suppress(OSError, ValueError):
-            out.write("".join(f"{prefix}{t}\n" for t in text))
+            if self._output_dir is not None:  # a per-rank file: the bytes as written
+                out.write(newline.join(lines) + newline)  # type: ignore[arg-type]
+            else:
+                if self._timestamps:
+                    now = time.time()
+                    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+                    prefix = f"{stamp}.{int(now % 1 * 1000):03d} {prefix}"
+                out.write("".join(f"{prefix}{t}\n" for t in text))  # type: ignore[arg-type]
             out.flush()
 
     def wait(self, timeout: float | None = None) -> JobResult:
@@ -305,7 +399,10 @@ class LocalJob:
             while True:
                 for rank, proc in enumerate(self._procs):
                     if exits[rank] is None and (code := proc.poll()) is not None:
-                        exits[rank] = WorkerExit(rank, self._workers[rank].host, code)
+                        remote = self._remote[rank]
+                        if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
+                            code = 128 - code
+                        exits[rank] = WorkerExit(rank, self._workers[rank].host, code, (), remote)
                         if code != 0 and first is None:
                             first = exits[rank]
                 if first is not None or self._stop_signal is not None:
@@ -318,6 +415,9 @@ class LocalJob:
                 time.sleep(_POLL_S)
         finally:
             self._terminate([r for r, e in enumerate(exits) if e is None])
+            for stdin in self._stdins:
+                with contextlib.suppress(OSError):
+                    stdin.close()
             self._join_output()
         if first is not None:
             first = dataclasses.replace(first, stderr_tail=tuple(self._tails[first.rank]))
@@ -366,6 +466,11 @@ def run_job(
     timeout_s: float | None = None,
     handle_signals: bool = False,
     on_start: Callable[[LocalJob], None] | None = None,
+    ssh: SshOptions | None = None,
+    network_interface: str | None = None,
+    output_dir: str | None = None,
+    timestamps: bool = False,
+    store: tuple[bytes, Any] | None = None,
 ) -> JobResult:
     """Run ``command`` once per worker spec, with a fresh secret and rendezvous store.
 
@@ -373,32 +478,52 @@ def run_job(
     ``start_timeout_s`` bounds each wait of the store on a connecting worker. ``timeout_s`` bounds
     the whole job (``None``: no bound). ``handle_signals`` (main thread only) turns SIGINT and
     SIGTERM into :meth:`LocalJob.stop` for the job's duration. ``on_start`` sees the started job.
+    ``ssh`` says how to reach workers on other hosts; ``network_interface`` picks the interface
+    the store listens on (see :mod:`.netif`). ``store`` is a ``(secret, StoreServer)`` pair from
+    :func:`start_store` that the caller keeps and closes (to read what the workers left in it);
+    by default :func:`run_job` starts and closes its own.
 
     Raises:
         LaunchError: the store or a worker could not be started.
     """
-    from .. import wire
-    from ..rendezvous import StoreServer
-
-    secret = wire.new_secret()
-    try:
-        store = StoreServer(secret, host="127.0.0.1", port=0, timeout=start_timeout_s)
-    except (OSError, ConfigError) as exc:
-        raise LaunchError(f"could not start the rendezvous store on 127.0.0.1: {exc}") from exc
+    owned = store is None
+    secret, server = start_store(workers, network_interface, start_timeout_s) if owned else store
     try:
         job = LocalJob(
-            command, workers, secret=secret, rendezvous=(store.host, store.port),
+            command, workers, secret=secret, rendezvous=(server.host, server.port),
             job_id=secrets.token_hex(8), base_env=base_env, stdout=stdout, stderr=stderr,
-            grace_s=grace_s,
+            grace_s=grace_s, ssh=ssh, output_dir=output_dir, timestamps=timestamps,
         )
-        log.info("rendezvous store on %s:%d", store.host, store.port)
+        log.info("rendezvous store on %s:%d", server.host, server.port)
         with _signals_to(job if handle_signals else None):
             job.start()
             if on_start is not None:
                 on_start(job)
             return job.wait(timeout_s)
     finally:
-        store.close()
+        if owned:
+            server.close()
+
+
+def start_store(
+    workers: Sequence[WorkerSpec], network_interface: str | None = None, timeout_s: float = 30.0
+) -> tuple[bytes, Any]:
+    """A fresh job secret and a ``StoreServer`` on the address the workers can reach.
+
+    Raises:
+        LaunchError: no usable address, or the store could not listen.
+    """
+    from .. import wire
+    from ..rendezvous import StoreServer
+    from .netif import store_address
+
+    host = store_address(sorted({w.host for w in workers if not is_local(w.host)}),
+                         network_interface)
+    secret = wire.new_secret()
+    try:
+        return secret, StoreServer(secret, host=host, port=0, timeout=timeout_s)
+    except (OSError, ConfigError) as exc:
+        raise LaunchError(f"could not start the rendezvous store on {host}: {exc}") from exc
 
 
 @contextlib.contextmanager

@@ -100,6 +100,7 @@ class _Peer:
     # sending -----------------------------------------------------------------------------------
     def send(self, tag: int, payload: memoryview, work: _Work) -> None:
         bufs = [memoryview(_HDR.pack(tag, payload.nbytes)), payload]
+        failure: OSError | None = None
         with self._send_ready:
             if self.error is not None:
                 raise self.error
@@ -109,17 +110,20 @@ class _Peer:
                 except BlockingIOError:
                     pass
                 except OSError as exc:
+                    failure = exc
+                finally:
                     self._send_lock.release()
-                    self.fail(PeerError(f"sending to rank {self.rank} failed: {exc}"))
-                    raise self.error from exc  # type: ignore[misc]
+            if failure is None:
+                if bufs:
+                    self._sends.append((bufs, work))
+                    self._send_ready.notify()
                 else:
-                    if not bufs:
-                        self._send_lock.release()
-                        work.finish()
-                        return
-                self._send_lock.release()
-            self._sends.append((bufs, work))
-            self._send_ready.notify()
+                    work.finish()
+                return
+        # fail() takes _send_ready itself: call it only after leaving the block above.
+        error = PeerError(f"sending to rank {self.rank} failed: {failure}")
+        self.fail(error)
+        raise error from failure
 
     def _push(self, bufs: list[memoryview], flags: int) -> list[memoryview]:
         """Send as much of ``bufs`` as the socket takes; return what is left."""

@@ -21,6 +21,7 @@ from ringflow.testing import run_ranks
 from ringflow.transport.loopback import LoopbackWorld
 
 pytestmark = pytest.mark.timeout(300)
+DEADLINE = 30.0  # per run_ranks call; the slowest takes ~0.4 s on 2 shared cores
 
 SIZES = [1, 2, 3, 4, 7]
 BIG = 100_003  # large and odd: uneven segments, a remainder for the lowest ranks
@@ -119,7 +120,7 @@ def test_allreduce(transport: str, n: int, dtype: np.dtype) -> None:
             out.append(buf)
         return out
 
-    results = run_ranks(n, body, transport=transport)
+    results = run_ranks(n, body, deadline=DEADLINE, transport=transport)
     for k, (length, op) in enumerate(cases):
         what = f"allreduce {op.name} n={n} length={length} {dtype}"
         for rank in range(n):
@@ -212,7 +213,7 @@ def test_reducescatter(transport: str, n: int, dtype: np.dtype) -> None:
             np.testing.assert_array_equal(buf, before)  # the input is left alone
         return out
 
-    results = run_ranks(n, body, transport=transport)
+    results = run_ranks(n, body, deadline=DEADLINE, transport=transport)
     for k, (rows, op) in enumerate(cases):
         full = expected(n, rows * cols, dtype, op).reshape(rows, cols)
         for rank, (lo, hi) in enumerate(buffers.even_split(rows, n)):
@@ -252,7 +253,7 @@ def test_allgather(transport: str, n: int, dtype: np.dtype) -> None:
         return [algorithms.allgather(t, block(t.rank, counts[t.rank], dtype), counts)
                 for counts in cases]
 
-    results = run_ranks(n, body, transport=transport)
+    results = run_ranks(n, body, deadline=DEADLINE, transport=transport)
     for k, counts in enumerate(cases):
         what = f"allgather n={n} counts={counts} {dtype}"
         want = np.concatenate([block(q, counts[q], dtype) for q in range(n)])
@@ -290,7 +291,7 @@ def test_broadcast(transport: str, n: int, dtype: np.dtype) -> None:
             out.append(buf)
         return out
 
-    results = run_ranks(n, body, transport=transport)
+    results = run_ranks(n, body, deadline=DEADLINE, transport=transport)
     for k, (length, root) in enumerate(cases):
         what = f"broadcast root={root} n={n} length={length} {dtype}"
         for rank in range(n):
@@ -326,7 +327,7 @@ def test_alltoall(transport: str, n: int, dtype: np.dtype) -> None:
             out.append(algorithms.alltoall(t, np.concatenate(rows), splits))
         return out
 
-    results = run_ranks(n, body, transport=transport)
+    results = run_ranks(n, body, deadline=DEADLINE, transport=transport)
     for k, scale in enumerate(scales):
         for rank in range(n):
             what = f"alltoall n={n} scale={scale} {dtype} rank {rank}"
@@ -362,7 +363,7 @@ def test_barrier(transport: str, n: int) -> None:
             with lock:
                 events.append(f"out{round_}")
 
-    run_ranks(n, body, transport=transport)
+    run_ranks(n, body, deadline=DEADLINE, transport=transport)
     for round_ in range(3):
         last_in = max(k for k, e in enumerate(events) if e == f"in{round_}")
         first_out = min(k for k, e in enumerate(events) if e == f"out{round_}")

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from ringflow.errors import LaunchError
-from ringflow.runner.hosts import Host, WorkerSpec, assign_ranks, is_local, parse_hosts
+from ringflow.runner.hosts import (
+    Host,
+    WorkerSpec,
+    assign_ranks,
+    is_local,
+    parse_hostfile,
+    parse_hosts,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,3 +78,42 @@ def test_is_local():
     assert is_local("localhost")
     assert is_local("127.0.0.1")
     assert not is_local("no-such-host.invalid")
+
+
+# --hostfile ----------------------------------------------------------------------------------
+
+
+def write(tmp_path, text):
+    path = tmp_path / "hostfile"
+    path.write_text(text)
+    return str(path)
+
+
+def test_hostfile_forms_comments_and_blank_lines(tmp_path):
+    text = "# the cluster\nnode1 slots=2\n\n  node2:3   # three GPUs\nnode3\n[::1] slots = 4\n"
+    assert parse_hostfile(write(tmp_path, text)) == [
+        Host("node1", 2), Host("node2", 3), Host("node3", 1), Host("::1", 4)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("node1 slots=2\nnode2 slots=x\n", "line 2 ('node2 slots=x')"),
+        ("node1 slots=2\nnode2 max_slots=4\n", "line 2 ('node2 max_slots=4') is not valid"),
+        ("node1 slots=0\n", "expected a positive integer"),
+        ("a:2 slots=3\n", "line 1 ('a:2 slots=3') is not valid"),
+        ("node1\n# x\nnode1 slots=2\n", "line 3 ('node1 slots=2') names host 'node1' a second"),
+        ("# only a comment\n\n", "lists no host"),
+    ],
+)
+def test_hostfile_errors_name_the_line(tmp_path, text, fragment):
+    with pytest.raises(LaunchError) as info:
+        parse_hostfile(write(tmp_path, text))
+    assert fragment in str(info.value)
+    assert "hostfile" in str(info.value)
+
+
+def test_missing_hostfile(tmp_path):
+    with pytest.raises(LaunchError, match="cannot read --hostfile"):
+        parse_hostfile(str(tmp_path / "nope"))

@@ -31,7 +31,8 @@ def test_returns_results_in_rank_order(transport: str, n: int) -> None:
         assert t.size == n
         return base + t.rank
 
-    assert run_ranks(n, body, args=(100,), transport=transport) == [100 + r for r in range(n)]
+    results = run_ranks(n, body, args=(100,), deadline=20, transport=transport)
+    assert results == [100 + r for r in range(n)]
 
 
 def test_ranks_can_talk(transport: str) -> None:
@@ -43,7 +44,7 @@ def test_ranks_can_talk(transport: str) -> None:
         recv(t, memoryview(buf), 0)
         return bytes(buf)
 
-    assert run_ranks(2, body, transport=transport) == [None, b"hello"]
+    assert run_ranks(2, body, deadline=20, transport=transport) == [None, b"hello"]
 
 
 def test_failing_rank_is_named_and_blocked_ranks_are_released(transport: str) -> None:
@@ -91,11 +92,21 @@ def test_deadline_overrun_raises_for_the_lowest_unfinished_rank() -> None:
 
 def test_deadline_releases_ranks_blocked_in_a_receive() -> None:
     def body(t):
-        if t.rank == 0:
-            recv(t, memoryview(bytearray(1)), 1)  # rank 1 never sends
+        recv(t, memoryview(bytearray(1)), 1 - t.rank)  # both wait, neither sends: a deadlock
 
+    start = time.monotonic()
     with pytest.raises(RankFailure, match=r"rank 0: did not finish within 0.2s"):
         run_ranks(2, body, deadline=0.2)
+    assert time.monotonic() - start < 5
+
+
+def test_receive_from_a_rank_that_finished_fails_at_once() -> None:
+    def body(t):
+        if t.rank == 0:
+            recv(t, memoryview(bytearray(1)), 1)  # rank 1 returns (and closes) without sending
+
+    with pytest.raises(RankFailure, match=r"rank 0: PeerError: .* rank 1 closed its transport"):
+        run_ranks(2, body, deadline=30)
 
 
 def test_unknown_transport_is_a_config_error() -> None:

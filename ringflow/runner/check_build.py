@@ -1,0 +1,76 @@
+"""``ringflow-run --check-build``: what this installation can do, as horovodrun lists it.
+
+Everything is found without importing the heavy packages (``importlib.util.find_spec``): checking
+the build must take a fraction of a second, not the seconds an ``import torch`` takes. A transport
+is available when it is registered in :mod:`ringflow.transport` *and* its optional dependency is
+installed (``mpi``: mpi4py; ``nccl``: cupy); a GPU is one that ``nvidia-smi -L`` lists.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+
+__all__ = ["check_build"]
+
+_FRAMEWORKS = (("PyTorch", "torch"), ("TensorFlow", "tensorflow"))
+#: (transport, the module it needs besides ringflow, install hint)
+_TRANSPORTS = (
+    ("TCP", None, ""),
+    ("SHM", None, ""),
+    ("MPI", "mpi4py", "pip install 'ringflow[mpi]'"),
+    ("NCCL", "cupy", "pip install 'ringflow[gpu]'"),
+)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _gpus() -> list[str]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "-L"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.splitlines() if line.startswith("GPU")]
+
+
+def check_build(version: str) -> str:
+    """The checklist text (ends with a newline)."""
+    from .. import transport
+
+    registered = set(transport.available())
+
+    def mark(ok: bool) -> str:
+        return "[X]" if ok else "[ ]"
+
+    lines = [f"ringflow v{version}:", "", "Available Frameworks:"]
+    lines += [f"    {mark(_installed(mod))} {name}" for name, mod in _FRAMEWORKS]
+    lines += ["", "Available Controllers:", f"    {mark(True)} TCP (rendezvous store)"]
+    lines += [f"    {mark(_installed('mpi4py'))} MPI (mpirun bootstrap through mpi4py)"]
+    lines += ["", "Available Tensor Operations:"]
+    for name, needs, hint in _TRANSPORTS:
+        ok = name.lower() in registered and (needs is None or _installed(needs))
+        note = ""
+        if not ok and name.lower() not in registered:
+            note = "  (not in this build)"
+        elif not ok:
+            note = f"  ({needs} missing: {hint})"
+        lines.append(f"    {mark(ok)} {name}{note}")
+    lines += ["", "Available Launchers:"]
+    lines += [f"    {mark(shutil.which('ssh') is not None)} ssh (ringflow-run -H)"]
+    lines += [f"    {mark(shutil.which('mpirun') is not None)} mpirun"]
+    lines += [f"    {mark(shutil.which('srun') is not None)} srun"]
+    gpus = _gpus()
+    lines += ["", "GPUs:"]
+    lines += [f"    {g}" for g in gpus] or ["    none found (nvidia-smi -L)"]
+    return "\n".join(lines) + "\n"

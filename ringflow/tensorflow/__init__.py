@@ -1,0 +1,330 @@
+"""ringflow for TensorFlow 2: Horovod 0.28's ``horovod.tensorflow`` API over the ringflow engine.
+
+Switch from Horovod by changing the import::
+
+    import ringflow.tensorflow as hvd
+    hvd.init()
+    with tf.GradientTape() as tape:
+        loss = ...
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+
+Every collective works eagerly and inside ``tf.function`` and is differentiable (see
+:mod:`ringflow.tensorflow.mpi_ops` for names, gradients and ordering). Differences from Horovod:
+
+- ``Compression`` is the core's: the engine casts while fusing, and 16-bit sums accumulate in
+  float32; ``Compression.bf16`` is added. A custom compressor with TensorFlow
+  ``compress``/``decompress`` methods is still applied around the allreduce, as in Horovod.
+- Adasum is not supported (the core raises a clear error).
+- ``device_dense`` / ``device_sparse`` are accepted and ignored: data moves through host memory.
+- ``num_groups``/``groups`` decide which gradients are negotiated together; fusion itself is the
+  engine's and happens either way. Without them a tape reduces all its dense gradients as one
+  group (one op per step) where Horovod issues one allreduce per gradient.
+- Collective ops of one graph run in the order they were traced (a control-dependency chain):
+  a pure-Python op blocks its thread, so this is what keeps ranks from deadlocking.
+- ``SyncBatchNormalization`` weights each rank's statistics by its row count (exact for unequal
+  batches); Horovod averages per-rank moments.
+- ``broadcast_object``/``allgather_object`` default to a fixed name rather than the object's
+  type name, so a non-root rank may pass ``None``.
+- ``size_op``/``rank_op``/``local_*_op`` are constants: ringflow jobs do not resize.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+import ringflow as _core
+from ringflow import (
+    Adasum,
+    Average,
+    Compression,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    ReduceOp,
+    Sum,
+    cross_rank,
+    cross_size,
+    global_process_set,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+)
+from ringflow.compression import Compressor
+from ringflow.errors import TensorError
+
+from .functions import allgather_object, broadcast_object, broadcast_object_fn, broadcast_variables
+from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from .mpi_ops import (
+    _SETS,
+    _allreduce,
+    _grouped_allreduce,
+    _grouped_reducescatter,
+    _reducescatter,
+    allgather,
+    alltoall,
+    barrier,
+    broadcast,
+    grouped_allgather,
+    join,
+    local_rank_op,
+    local_size_op,
+    rank_op,
+    size_op,
+)
+from .sync_batch_norm import SyncBatchNormalization
+
+_plain = tf.autograph.experimental.do_not_convert
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedGradientTape",
+    "Max",
+    "Min",
+    "PartialDistributedGradientTape",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "SyncBatchNormalization",
+    "add_process_set",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_object",
+    "broadcast_object_fn",
+    "broadcast_variables",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_rank_op",
+    "local_size",
+    "local_size_op",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "rank",
+    "rank_op",
+    "reducescatter",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "size_op",
+    "start_timeline",
+    "stop_timeline",
+]
+
+
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
+    """Join the job (see :func:`ringflow.init`) and register ``process_sets``."""
+    _core.init(comm, process_sets=None)
+    for ps in process_sets or ():
+        add_process_set(ps)
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set collectively (every rank, same ranks, same order)."""
+    ps = _core.add_process_set(process_set)
+    _SETS[int(ps.process_set_id)] = ps
+    return ps
+
+
+def is_homogeneous() -> bool:
+    """True: ringflow-run gives every host the same number of slots unless told otherwise."""
+    return _core.size() % _core.local_size() == 0
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Not built yet: set RINGFLOW_TIMELINE_PATH before init() instead."""
+    raise NotImplementedError(
+        "start_timeline() is not supported by ringflow.tensorflow yet; set "
+        "RINGFLOW_TIMELINE_PATH before init() to record a timeline"
+    )
+
+
+def stop_timeline() -> None:
+    raise NotImplementedError("stop_timeline() is not supported by ringflow.tensorflow yet")
+
+
+def _resolve_op(op: ReduceOp | int | None, average: bool | None) -> ReduceOp:
+    """Horovod's handling of the deprecated ``average`` flag next to ``op``."""
+    if op is not None and average is not None:
+        raise ValueError("allreduce: pass op= or the deprecated average=, not both")
+    if average is not None:
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return ReduceOp.AVERAGE if op is None else ReduceOp(op)
+
+
+@_plain
+def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
+              device_sparse: str = "", compression: Any = Compression.none,
+              op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: str | None = None,
+              process_set: ProcessSet = global_process_set,
+              ignore_name_scope: bool = False) -> Any:
+    """Reduce a ``tf.Tensor``/``tf.Variable`` (or ``tf.IndexedSlices``) over the process set.
+
+    Dense tensors go through the engine's ring allreduce (default op: Average). An
+    ``IndexedSlices`` becomes two allgathers (values and indices) — the represented dense tensor
+    is reduced without densifying it; Average divides the gathered values by the set size.
+
+    Raises:
+        TensorError: a sparse tensor with an op other than Sum or Average.
+    """
+    reduce_op = _resolve_op(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise TensorError(
+                f"allreduce of tf.IndexedSlices {name or ''!s} supports op Sum or Average, not "
+                f"{reduce_op.name}; pass sparse_as_dense=True or convert with tf.convert_to_tensor"
+            )
+        values = allgather(tensor.values, None if name is None else f"{name}.values",
+                           ignore_name_scope, process_set)
+        indices = allgather(tensor.indices, None if name is None else f"{name}.indices",
+                            ignore_name_scope, process_set)
+        if reduce_op == ReduceOp.AVERAGE:
+            values = values / tf.cast(process_set.size(), values.dtype)
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            values = values * tf.cast(prescale_factor * postscale_factor, values.dtype)
+        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+    tensor = tf.convert_to_tensor(tensor)
+    if isinstance(compression, Compressor):
+        return _allreduce(tensor, name, reduce_op, prescale_factor, postscale_factor,
+                          ignore_name_scope, process_set, compression)
+    compressed, ctx = compression.compress(tensor)
+    reduced = _allreduce(compressed, name, reduce_op, prescale_factor, postscale_factor,
+                         ignore_name_scope, process_set)
+    return compression.decompress(reduced, ctx)
+
+
+@_plain
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
+                      device_dense: str = "", device_sparse: str = "",
+                      compression: Any = Compression.none, op: ReduceOp | int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set,
+                      ignore_name_scope: bool = False, name: str | None = None) -> list[Any]:
+    """Allreduce a list of tensors negotiated as one group; ``IndexedSlices`` go one by one."""
+    reduce_op = _resolve_op(op, average)
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    out: list[Any] = list(tensors)
+    for i, t in enumerate(tensors):
+        if i not in dense:
+            out[i] = allreduce(t, op=reduce_op, prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor,
+                               name=None if name is None else f"{name}.sparse{i}",
+                               process_set=process_set, ignore_name_scope=ignore_name_scope)
+    if not dense:
+        return out
+    inputs = [tf.convert_to_tensor(tensors[i]) for i in dense]
+    if isinstance(compression, Compressor):
+        reduced = _grouped_allreduce(inputs, name, reduce_op, prescale_factor, postscale_factor,
+                                     ignore_name_scope, process_set, compression)
+    else:
+        pairs = [compression.compress(t) for t in inputs]
+        reduced = _grouped_allreduce([p[0] for p in pairs], name, reduce_op, prescale_factor,
+                                     postscale_factor, ignore_name_scope, process_set)
+        reduced = [compression.decompress(r, p[1]) for r, p in zip(reduced, pairs, strict=True)]
+    for i, r in zip(dense, reduced, strict=True):
+        out[i] = r
+    return out
+
+
+@_plain
+def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none,
+                  op: ReduceOp | int = Average, name: str | None = None,
+                  process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduce ``tensor`` (default Average), then keep this rank's share of rows."""
+    del device_dense, compression  # the reduce-scatter path moves full precision
+    return _reducescatter(tensor, name, op, ignore_name_scope, process_set, prescale_factor,
+                          postscale_factor)
+
+
+@_plain
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
+                          compression: Any = Compression.none, op: ReduceOp | int = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: str | None = None,
+                          ignore_name_scope: bool = False) -> list[tf.Tensor]:
+    del device_dense, compression
+    return _grouped_reducescatter(tensors, name, op, ignore_name_scope, process_set,
+                                  prescale_factor, postscale_factor)
+
+
+@_plain
+def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Broadcast ``variables`` in place from ``root_rank``; returns their new values."""
+    return broadcast_variables(variables, root_rank, process_set=process_set, inplace=True,
+                               name=name)

@@ -1,0 +1,214 @@
+"""``DistributedGradientTape``: a ``tf.GradientTape`` whose ``gradient()`` averages over ranks.
+
+``allreduce_gradients`` is the shared step (also used by the Keras ``DistributedOptimizer``):
+
+1. ``IndexedSlices`` become dense when ``sparse_as_dense``; otherwise they take Horovod's sparse
+   path (allgather of values and indices).
+2. Dense gradients are negotiated in groups: one group for all (default), ``num_groups`` equal
+   contiguous groups, or explicit ``groups`` of variables (the rest form one more group). Each
+   group is one op, so a step costs one Python round trip per group; the engine fuses anyway.
+3. ``gradient_predivide_factor`` f splits the average into a prescale 1/f and a postscale f/n
+   (Horovod's semantics; only with op=Average).
+4. Gradients of *local* variables (``PartialDistributedGradientTape``) are not reduced; with
+   ``scale_local_gradients`` they are divided by the set size, so that their scale matches that of
+   averaged gradients.
+
+Names: eagerly ``<prefix>.<crc32 of the gradients' positions, dtypes and shapes>.g<k>``; in a
+graph, ``<prefix>_Allreduce_g<k>`` under the current name scope, made unique by the graph.
+Variable names never enter a name: Keras numbers them per process, so they can differ by rank.
+``use_generic_names`` is accepted for Horovod compatibility (names are always generic).
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from ringflow import Average, Compression, ProcessSet, ReduceOp, global_process_set
+from ringflow.errors import TensorError
+
+__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "allreduce_gradients"]
+
+_plain = tf.autograph.experimental.do_not_convert
+
+
+def _groups(n_dense: int, dense_vars: list[Any], num_groups: int,
+            groups: Sequence[Sequence[Any]] | None) -> list[list[int]]:
+    """Positions (into the dense list) of each group, in a rank-independent order."""
+    if groups is not None:
+        where = {id(v): i for i, v in enumerate(dense_vars)}
+        taken: set[int] = set()
+        out: list[list[int]] = []
+        for group in groups:
+            ids = [where[id(v)] for v in group if id(v) in where]
+            ids = [i for i in ids if i not in taken]
+            taken.update(ids)
+            if ids:
+                out.append(sorted(ids))
+        rest = [i for i in range(n_dense) if i not in taken]
+        return [*out, rest] if rest else out
+    if num_groups and num_groups > 0:
+        k = min(num_groups, n_dense) or 1
+        bounds = [round(j * n_dense / k) for j in range(k + 1)]
+        return [list(range(lo, hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+    return [list(range(n_dense))] if n_dense else []
+
+
+@_plain
+def allreduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None, *,
+                        prefix: str = "DistributedGradientTape",
+                        compression: Any = Compression.none, sparse_as_dense: bool = False,
+                        op: ReduceOp | int = Average, gradient_predivide_factor: float = 1.0,
+                        num_groups: int = 0, groups: Sequence[Sequence[Any]] | None = None,
+                        process_set: ProcessSet = global_process_set,
+                        local_vars: Sequence[Any] = (), scale_local_gradients: bool = True,
+                        use_generic_names: bool = False) -> list[Any]:
+    """Average (or ``op``-reduce) ``grads`` over ``process_set``; ``None`` gradients stay None.
+
+    Raises:
+        TensorError: ``gradient_predivide_factor`` != 1 with an op other than Average.
+    """
+    from . import allreduce  # the public allreduce (sparse path, custom compressors)
+
+    op = ReduceOp(op)
+    prescale = postscale = 1.0
+    if gradient_predivide_factor != 1.0:
+        if op != ReduceOp.AVERAGE:
+            raise TensorError(
+                f"gradient_predivide_factor={gradient_predivide_factor} needs op=Average, got "
+                f"op={op.name}; set gradient_predivide_factor=1.0 or use op=Average"
+            )
+        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    grads = list(grads)
+    variables = list(variables) if variables is not None else [None] * len(grads)
+    local = {id(v) for v in local_vars}
+    out: list[Any] = list(grads)
+    dense: list[int] = []
+    labels = []
+    for i, (g, v) in enumerate(zip(grads, variables, strict=True)):
+        if g is None:
+            continue
+        if v is not None and id(v) in local:
+            if scale_local_gradients:
+                out[i] = g / tf.cast(process_set.size(), g.dtype)
+            continue
+        if isinstance(g, tf.IndexedSlices) and sparse_as_dense:
+            g = out[i] = tf.convert_to_tensor(g)
+        # Only position, dtype and shape go into the name: variable names come from per-process
+        # counters (Keras auto-naming) and may differ between ranks that built other objects.
+        labels.append(f"{i}:{g.dtype.name}{tuple(g.shape)}")
+        if isinstance(g, tf.IndexedSlices):
+            name = f"{prefix}.sparse.{i}" if tf.executing_eagerly() else None
+            out[i] = allreduce(g, op=op, compression=compression, name=name,
+                               process_set=process_set)
+        else:
+            dense.append(i)
+    if not dense:
+        return out
+    tag = f"{zlib.crc32('|'.join(labels).encode()):08x}"
+    for k, group in enumerate(_groups(len(dense), [variables[i] for i in dense], num_groups,
+                                      groups)):
+        idx = [dense[j] for j in group]
+        name = f"{prefix}.{tag}.g{k}" if tf.executing_eagerly() else f"{prefix}_Allreduce_g{k}"
+        reduced = _reduce_group([out[i] for i in idx], name, op, prescale, postscale,
+                                compression, process_set)
+        for i, r in zip(idx, reduced, strict=True):
+            out[i] = r
+    return out
+
+
+def _reduce_group(tensors: list[Any], name: str, op: ReduceOp, prescale: float,
+                  postscale: float, compression: Any, process_set: ProcessSet) -> list[Any]:
+    from . import grouped_allreduce
+
+    return grouped_allreduce(tensors, op=op, compression=compression, prescale_factor=prescale,
+                             postscale_factor=postscale, process_set=process_set, name=name)
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    """Body of the class ``DistributedGradientTape`` builds (a subclass of the tape's class)."""
+
+    def _ringflow_setup(self, options: dict[str, Any]) -> None:
+        self._ringflow = options
+        self._local_sources: list[Any] = list(options.pop("local_vars", ()))
+
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient local (not averaged over ranks)."""
+        self._local_sources.append(source)
+
+    @_plain
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
+                 use_generic_names: bool = False, **kwargs: Any) -> Any:
+        """The tape's gradients, reduced over the process set (structure of ``sources`` kept)."""
+        grads = super().gradient(target, sources, output_gradients, **kwargs)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        reduced = allreduce_gradients(flat_grads, flat_sources, local_vars=self._local_sources,
+                                      use_generic_names=use_generic_names, **self._ringflow)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+@_plain
+def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
+                            device_sparse: str = "", compression: Any = Compression.none,
+                            sparse_as_dense: bool = False, op: ReduceOp | int = Average,
+                            gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                            groups: Sequence[Sequence[Any]] | None = None,
+                            process_set: ProcessSet = global_process_set,
+                            scale_local_gradients: bool = True,
+                            _local_vars: Sequence[Any] = ()) -> tf.GradientTape:
+    """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over ranks.
+
+    Works on a tape that has already recorded (``tape = DistributedGradientTape(tape)`` after the
+    ``with`` block) and on a fresh one used as a context manager. The result is an instance of a
+    subclass of the tape's own class, with the same class name.
+    """
+    del device_dense, device_sparse
+    base = gradtape.__class__
+    cls = base if issubclass(base, _DistributedGradientTape) else type(
+        base.__name__, (_DistributedGradientTape, base), {"__module__": base.__module__})
+    tape = cls(persistent=gradtape._persistent,
+               watch_accessed_variables=gradtape._watch_accessed_variables)
+    # Take over what the original recorded (Horovod does the same with the private _tape).
+    tape._tape = gradtape._tape
+    tape._recording = getattr(gradtape, "_recording", False)
+    tape._watched_variables = getattr(gradtape, "_watched_variables", ())
+    _DistributedGradientTape._ringflow_setup(tape, {
+        "prefix": "DistributedGradientTape", "compression": compression,
+        "sparse_as_dense": sparse_as_dense, "op": op,
+        "gradient_predivide_factor": gradient_predivide_factor, "num_groups": num_groups,
+        "groups": groups, "process_set": process_set,
+        "scale_local_gradients": scale_local_gradients, "local_vars": list(_local_vars),
+    })
+    return tape
+
+
+@_plain
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
+                                   device_sparse: str = "", compression: Any = Compression.none,
+                                   sparse_as_dense: bool = False, op: ReduceOp | int = Average,
+                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                                   groups: Sequence[Sequence[Any]] | None = None,
+                                   process_set: ProcessSet = global_process_set,
+                                   local_layers: Any = None,
+                                   scale_local_gradients: bool = True) -> tf.GradientTape:
+    """A ``DistributedGradientTape`` that keeps the gradients of ``local_layers`` local.
+
+    ``local_layers`` is a Keras layer or a list of them; their trainable weights are registered
+    with ``register_local_source``.
+    """
+    if local_layers is None:
+        layers: list[Any] = []
+    elif isinstance(local_layers, (list, tuple)):
+        layers = list(local_layers)
+    else:
+        layers = [local_layers]
+    local_vars = [w for layer in layers for w in layer.trainable_weights]
+    return DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor, num_groups,
+                                   groups, process_set, scale_local_gradients,
+                                   _local_vars=local_vars)

@@ -1,0 +1,251 @@
+"""ringflow.torch: a drop-in for Horovod 0.28's ``horovod.torch``.
+
+Change ``import horovod.torch as hvd`` to ``import ringflow.torch as hvd``; names, signatures,
+defaults and semantics follow Horovod 0.28 except where noted below.
+
+Differences from Horovod 0.28 (each one deliberate):
+
+- CPU tensors only until the NCCL transport lands; a CUDA tensor fails with a clear error on every
+  rank (not only the one that passed it), like every local validation error.
+- bfloat16 and bool tensors are supported; non-contiguous tensors are copied (in-place operations
+  copy the result back) instead of rejected; zero-size tensors work.
+- ``Compression.bf16`` exists; compression is done by the engine while it fuses (no temporaries).
+  ``allreduce_async`` / ``allreduce_async_`` / grouped forms accept ``compression=`` too.
+- ``SyncBatchNorm`` runs on CPU; ``DistributedSampler`` needs no ``torch.distributed``.
+- ``broadcast_optimizer_state`` broadcasts param-group options as one pickled object (so ``None``
+  options and tuples such as Adam's ``betas`` survive), and its zero-gradient initialization step
+  for a fresh optimizer restores the parameters afterwards (Horovod's may move them through
+  weight decay).
+- ``DistributedOptimizer`` shares the wrapped optimizer's state instead of re-running its
+  ``__init__``; ``op=Adasum`` raises (not implemented yet). Misuse errors are
+  ``OptimizerMisuseError``, a subclass of both ``RingflowError`` and ``AssertionError`` (Horovod
+  raises ``AssertionError`` with the same text).
+- Build/feature queries answer for ringflow: ``gloo_built()`` / ``nccl_built()`` / ``ddl_built()`` /
+  ``ccl_built()`` / ``cuda_built()`` / ``rocm_built()`` are False (ringflow has its own TCP
+  transport); ``mpi_built()`` is True only when an ``mpi`` transport is registered *and* mpi4py
+  imports; ``mpi_enabled()`` is True only when that transport is the one in use.
+- ``start_timeline`` / ``stop_timeline`` raise ``RingflowError`` until the core offers run-time
+  timeline control.
+- ``root_rank`` of broadcast operations is a rank within the process set (the global rank for the
+  global set).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import ringflow as _rf
+
+from .. import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    ReduceOp,
+    Sum,
+    add_process_set,
+    cross_rank,
+    cross_size,
+    global_process_set,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+)
+from ..errors import RingflowError
+from .compression import Compression
+from .functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from .mpi_ops import (
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    synchronize,
+)
+from .optimizer import DistributedOptimizer, OptimizerMisuseError
+from .sampler import DistributedSampler
+from .sync_batch_norm import SyncBatchNorm
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "DistributedSampler",
+    "Max",
+    "Min",
+    "OptimizerMisuseError",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "SyncBatchNorm",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
+]
+
+
+def mpi_built() -> bool:
+    """True when ringflow can use MPI: an ``mpi`` transport is registered and mpi4py imports."""
+    from .. import transport
+
+    return "mpi" in transport.available() and importlib.util.find_spec("mpi4py") is not None
+
+
+def mpi_enabled() -> bool:
+    """True when the running job moves data over MPI (``RINGFLOW_TRANSPORT=mpi``)."""
+    return mpi_built() and os.environ.get("RINGFLOW_TRANSPORT", "").lower() == "mpi"
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI was initialized with MPI_THREAD_MULTIPLE; False when MPI is not in use."""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: ringflow does not use Gloo; it has its own TCP transport."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: ringflow does not use Gloo; it has its own TCP transport."""
+    return False
+
+
+def nccl_built() -> bool:
+    """False: the NCCL transport is not built yet (CPU tensors only)."""
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    """False: ringflow.torch moves CPU tensors only for now."""
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks (ringflow-run assigns host by host)."""
+    return local_size() * cross_size() == size()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline to ``file_path`` (when the core offers it).
+
+    Raises:
+        RingflowError: the core has no runtime timeline control yet.
+    """
+    core = getattr(_rf, "start_timeline", None)
+    if core is None:
+        raise RingflowError(f"start_timeline({file_path!r}): starting a timeline at run time is "
+                            "not built yet; remove the call (no timeline will be written)")
+    core(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop the timeline started by :func:`start_timeline`.
+
+    Raises:
+        RingflowError: the core has no runtime timeline control yet.
+    """
+    core = getattr(_rf, "stop_timeline", None)
+    if core is None:
+        raise RingflowError("stop_timeline(): the run-time timeline is not built yet; remove the "
+                            "call")
+    core()

@@ -1,0 +1,148 @@
+"""SyncBatchNorm: batch normalization over the global batch, on CPU tensors too.
+
+Forward (training), per channel: each rank computes its sample count ``n_r``, mean ``m_r`` and sum
+of squared deviations ``M2_r``; one allgather of these ``2C + 1`` numbers per rank lets every rank
+merge them with Chan's parallel formula (``mean = sum n_r m_r / N``,
+``M2 = sum M2_r + n_r (m_r - mean)^2``), which is exact in closed form and avoids the cancellation
+of ``E[x^2] - E[x]^2``. Statistics are accumulated in float64 whatever the input dtype; ranks may
+hold different batch sizes (even zero). Running statistics use the unbiased global variance, as
+``nn.BatchNorm``.
+
+Backward: with ``xhat = (x - mean) * invstd`` and upstream ``dy``, the input gradient needs the
+global per-channel sums ``sum dy`` and ``sum dy * xhat``: one allreduce (Sum) of ``2C`` numbers,
+then ``dx = weight * invstd * (dy - sum_dy / N - xhat * sum_dy_xhat / N)``. The weight and bias
+gradients returned are this rank's *local* ``sum dy * xhat`` and ``sum dy`` (as torch's and
+Horovod's SyncBatchNorm): DistributedOptimizer then averages them across ranks.
+
+Cost per call: forward one allgather of ``(2C + 1) * 8`` bytes per rank; backward one allreduce of
+``2C * 8`` bytes. Outside training, or with one rank, it is plain ``F.batch_norm``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .. import ProcessSet, global_process_set
+from ..ops import Sum
+from .mpi_ops import allgather, allreduce
+
+__all__ = ["SyncBatchNorm"]
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float,
+                momentum: float, process_set: ProcessSet) -> torch.Tensor:
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        x64 = x.detach().to(torch.float64)
+        count = x.numel() // channels if channels else 0
+        if count:
+            local_mean = x64.mean(dim=dims)
+            local_m2 = ((x64 - _bcast(local_mean, x.dim())) ** 2).sum(dim=dims)
+        else:
+            local_mean = local_m2 = torch.zeros(channels, dtype=torch.float64)
+        row = torch.cat([torch.tensor([float(count)], dtype=torch.float64), local_mean, local_m2])
+        rows = allgather(row.unsqueeze(0), process_set=process_set)
+        counts, means, m2s = rows[:, 0:1], rows[:, 1:1 + channels], rows[:, 1 + channels:]
+        total = float(counts.sum())
+        if total <= 1 and running_var is not None:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input "
+                             f"size {list(x.shape)} (global batch {int(total)})")
+        mean = (counts * means).sum(dim=0) / total
+        m2 = m2s.sum(dim=0) + (counts * (means - mean) ** 2).sum(dim=0)
+        var = m2 / total
+        invstd = torch.rsqrt(var + eps)
+        if running_mean is not None and running_var is not None:
+            unbiased = m2 / max(total - 1, 1)
+            with torch.no_grad():
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype),
+                                                    alpha=momentum)
+        xhat = (x64 - _bcast(mean, x.dim())) * _bcast(invstd, x.dim())
+        y = xhat
+        if weight is not None:
+            y = y * _bcast(weight.detach().to(torch.float64), x.dim())
+        if bias is not None:
+            y = y + _bcast(bias.detach().to(torch.float64), x.dim())
+        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.total = total
+        ctx.process_set = process_set
+        ctx.has_bias = bias is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        xhat, invstd, weight = ctx.saved_tensors
+        nd = xhat.dim()
+        dims = [0, *range(2, nd)]
+        dy64 = dy.to(torch.float64)
+        channels = xhat.shape[1]
+        if xhat.numel():
+            sum_dy = dy64.sum(dim=dims)
+            sum_dy_xhat = (dy64 * xhat).sum(dim=dims)
+        else:
+            sum_dy = sum_dy_xhat = torch.zeros(channels, dtype=torch.float64)
+        both = allreduce(torch.cat([sum_dy, sum_dy_xhat]), op=Sum,
+                         process_set=ctx.process_set)
+        g_dy, g_dy_xhat = both[:channels], both[channels:]
+        scale = invstd if weight is None else invstd * weight.detach().to(torch.float64)
+        dx = _bcast(scale, nd) * (dy64 - _bcast(g_dy / ctx.total, nd)
+                                  - xhat * _bcast(g_dy_xhat / ctx.total, nd))
+        grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None else None
+        grad_bias = sum_dy.to(weight.dtype if weight is not None else dy.dtype) \
+            if ctx.has_bias else None
+        return dx.to(dy.dtype), grad_weight, grad_bias, None, None, None, None, None
+
+
+def _bcast(v: torch.Tensor, nd: int) -> torch.Tensor:
+    """A per-channel vector shaped to broadcast against an (N, C, ...) tensor."""
+    return v.view(1, -1, *([1] * (nd - 2)))
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalization whose statistics are computed over all ranks' batches.
+
+    A drop-in for ``horovod.torch.SyncBatchNorm`` (same arguments) that also runs on CPU tensors.
+    ``process_set`` (a ringflow extension) limits the synchronization to some ranks.
+
+    Raises:
+        ValueError: the input has fewer than 2 dimensions (Horovod's message).
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_set: ProcessSet = global_process_set) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_set = process_set
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _run_bn(self, input: torch.Tensor, average_factor: float) -> torch.Tensor:
+        return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
+                            self.training or not self.track_running_stats, average_factor,
+                            self.eps)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        average_factor = 0.0
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                average_factor = 1.0 / float(self.num_batches_tracked)
+            else:
+                average_factor = self.momentum
+        if not self.training or self.process_set.size() == 1:
+            return self._run_bn(input, average_factor)
+        return _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias,
+            self.running_mean if self.track_running_stats else None,
+            self.running_var if self.track_running_stats else None,
+            self.eps, average_factor, self.process_set)

@@ -1,0 +1,57 @@
+"""Jobs started by ``mpirun`` (Open MPI / MPICH): ringflow's rendezvous goes over mpi4py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ringflow
+
+pytestmark = pytest.mark.timeout(120)
+
+MPIRUN = shutil.which("mpirun")
+if MPIRUN is None:
+    pytest.skip("mpirun is not installed (pip install 'ringflow[mpi]')", allow_module_level=True)
+pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'ringflow[mpi]')")
+
+ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
+
+JOB = """
+import numpy as np
+import ringflow as rf
+rf.init()
+n = rf.size()
+total = rf.allreduce(np.full(100_003, rf.rank() + 1.0), name="x", op=rf.Sum)
+assert np.all(total == n * (n + 1) / 2), total[:3]
+print(f"rank {rf.rank()} of {n} local {rf.local_rank()} sum {total[0]:g}", flush=True)
+rf.shutdown()
+"""
+
+
+def mpirun_flags() -> list[str]:
+    version = subprocess.run([MPIRUN, "--version"], capture_output=True, text=True, timeout=30)
+    if "Open MPI" in version.stdout + version.stderr:
+        flags = ["--oversubscribe"]
+        if os.geteuid() == 0:
+            flags.append("--allow-run-as-root")
+        return flags
+    return []  # MPICH / Hydra
+
+
+def test_mpirun_np_2_allreduce(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGFLOW_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [MPIRUN, *mpirun_flags(), "-np", "2", sys.executable, str(script)],
+        env=env, capture_output=True, text=True, timeout=100, cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
+    assert lines == ["rank 0 of 2 local 0 sum 3", "rank 1 of 2 local 1 sum 3"], proc.stdout

@@ -1,0 +1,172 @@
+"""A throwaway cluster of hosts on this machine: network namespaces running sshd.
+
+:func:`cluster` (a context manager) builds, for ``n`` hosts ``h1 .. hn``:
+
+* a bridge ``<tag>`` in the root namespace with address ``10.77.S.254/24`` (``S`` derived from the
+  pid, so that concurrent runs on one kernel use different subnets and names);
+* per host a namespace ``<tag>h<i>`` joined to the bridge by a veth pair, whose inner end is also
+  named ``<tag>`` (so ``--network-interface <tag>`` names the right interface on every host) with
+  ``10.77.S.i/24``, plus its loopback;
+* in a private temporary directory: an ed25519 host key and user key, ``authorized_keys``, an
+  ``sshd_config`` per host (port 22 on the host's address only; root login with a key only; no
+  passwords, no PAM), a ``known_hosts`` holding the host key under every host's name and address,
+  and an ssh client config mapping ``h<i>`` to its address with ``StrictHostKeyChecking yes``
+  -- host-key checking stays on;
+* ``sshd -D`` in each namespace.
+
+Traffic only ever goes to those namespace addresses or loopback. Everything is removed on exit,
+failure included: processes in the namespaces, the namespaces, the bridge, the directory.
+:func:`unavailable` says why namespaces cannot be made here (then the tests skip).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+INSTALL_HINT = "apt-get update && apt-get install -y openssh-server openssh-client"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    hosts: tuple[str, ...]
+    addresses: tuple[str, ...]
+    interface: str
+    ssh_config: str
+    identity: str
+    known_hosts: str
+    workdir: str
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+
+
+def unavailable() -> str | None:
+    """Why no namespace can be created here, or None."""
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is missing"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    probe = f"rfprobe{os.getpid()}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+def _wait_port(addr: str, port: int, deadline: float, proc: subprocess.Popen[bytes]) -> None:
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sshd for {addr} exited with code {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection((addr, port), timeout=0.5):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"sshd on {addr}:{port} did not start within the deadline")
+        time.sleep(0.05)
+
+
+def _keygen(path: str) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", path], check=True,
+                   timeout=20, stdin=subprocess.DEVNULL)
+    with open(path + ".pub") as f:
+        return f.read().strip()
+
+
+@contextlib.contextmanager
+def cluster(n: int = 2) -> Iterator[Cluster]:
+    """Build an ``n``-host cluster (2 to 4); tear everything down on exit."""
+    if not os.path.exists(SSHD):
+        raise RuntimeError(f"sshd is not installed; CI installs it with: {INSTALL_HINT}")
+    tag = f"rf{os.getpid() % 100000}"
+    subnet = f"10.77.{os.getpid() % 250 + 1}"
+    namespaces = [f"{tag}h{i}" for i in range(1, n + 1)]
+    names = tuple(f"h{i}" for i in range(1, n + 1))
+    addresses = tuple(f"{subnet}.{i}" for i in range(1, n + 1))
+    undo: list[tuple[str, ...]] = []
+    sshds: list[subprocess.Popen[bytes]] = []
+    tmp = tempfile.mkdtemp(prefix="ringflow-multihost-")
+    try:
+        _ip("link", "add", tag, "type", "bridge")
+        undo.append(("link", "del", tag))
+        _ip("addr", "add", f"{subnet}.254/24", "dev", tag)
+        _ip("link", "set", tag, "up")
+        for i, (ns, addr) in enumerate(zip(namespaces, addresses, strict=True), start=1):
+            _ip("netns", "add", ns)
+            undo.append(("netns", "del", ns))
+            outer, inner = f"{tag}v{i}", f"{tag}p{i}"
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            undo.append(("link", "del", outer))  # gone with the namespace too; harmless then
+            _ip("link", "set", inner, "netns", ns)
+            _ip("-n", ns, "link", "set", inner, "name", tag)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", tag)
+            _ip("-n", ns, "link", "set", tag, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("link", "set", outer, "master", tag)
+            _ip("link", "set", outer, "up")
+
+        host_pub = _keygen(os.path.join(tmp, "host_key"))
+        user_pub = _keygen(os.path.join(tmp, "id"))
+        with open(os.path.join(tmp, "authorized_keys"), "w") as f:
+            f.write(user_pub + "\n")
+        known = os.path.join(tmp, "known_hosts")
+        with open(known, "w") as f:
+            for name, addr in zip(names, addresses, strict=True):
+                f.write(f"{name},{addr} {host_pub}\n")
+        config = os.path.join(tmp, "ssh_config")
+        with open(config, "w") as f:
+            for name, addr in zip(names, addresses, strict=True):
+                f.write(f"Host {name}\n  HostName {addr}\n")
+            f.write(
+                "Host *\n  User root\n  Port 22\n"
+                f"  IdentityFile {tmp}/id\n  IdentitiesOnly yes\n"
+                f"  UserKnownHostsFile {known}\n  GlobalKnownHostsFile /dev/null\n"
+                "  StrictHostKeyChecking yes\n  CheckHostIP no\n  ConnectTimeout 5\n"
+                "  LogLevel ERROR\n"
+            )
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
+        for ns, addr in zip(namespaces, addresses, strict=True):
+            cfg = os.path.join(tmp, f"sshd_config.{ns}")
+            with open(cfg, "w") as f:
+                f.write(
+                    f"Port 22\nListenAddress {addr}\nHostKey {tmp}/host_key\n"
+                    f"PidFile {tmp}/sshd.{ns}.pid\nAuthorizedKeysFile {tmp}/authorized_keys\n"
+                    "PermitRootLogin prohibit-password\nPubkeyAuthentication yes\n"
+                    "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+                    "UsePAM no\nStrictModes no\nPrintMotd no\nSubsystem sftp internal-sftp\n"
+                )
+            log = open(os.path.join(tmp, f"sshd.{ns}.log"), "wb")  # noqa: SIM115
+            sshds.append(subprocess.Popen(
+                ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", cfg],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            ))
+            log.close()
+        deadline = time.monotonic() + 15
+        for addr, proc in zip(addresses, sshds, strict=True):
+            _wait_port(addr, 22, deadline, proc)
+        yield Cluster(names, addresses, tag, config, os.path.join(tmp, "id"), known, tmp)
+    finally:
+        for proc in sshds:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        for ns in namespaces:  # sessions and workers that outlived their sshd
+            pids = _ip("netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+        for proc in sshds:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        for args in reversed(undo):
+            _ip(*args, check=False)
+        shutil.rmtree(tmp, ignore_errors=True)

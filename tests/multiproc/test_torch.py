@@ -1,0 +1,113 @@
+"""ringflow.torch through ringflow-run with real processes (2 and 3 ranks) and alone (1 rank).
+
+Each worker script in ``torch_workers/`` batches many checks (every collective in sync, async and
+in-place forms and dtypes; autograd of each collective in closed form; DistributedOptimizer
+against single-process training on the concatenated batch; broadcast helpers; SyncBatchNorm
+against nn.BatchNorm on the global batch; the sampler), because starting a rank with torch costs
+about 2 s. A worker prints ``PASS <n> checks`` on every rank; a failure names its rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+import ringflow
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
+WORKERS = Path(__file__).resolve().parent / "torch_workers"
+PYTHONPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
+
+
+def run(script: str | Path, np: int, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    if np == 1:
+        cmd = [sys.executable, str(script)]
+    else:
+        cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(np), sys.executable, str(script)]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_passed(proc: subprocess.CompletedProcess[str], np: int) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("PASS ") == np, out[-4000:]
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_collectives(np: int) -> None:
+    assert_passed(run(WORKERS / "collectives.py", np), np)
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_autograd_optimizer_broadcast_syncbn_sampler(np: int) -> None:
+    assert_passed(run(WORKERS / "autograd_and_training.py", np), np)
+
+
+def test_local_error_fails_every_rank_without_hang(tmp_path: Path) -> None:
+    """A tensor only one rank cannot send (here: a complex dtype, then a non-tensor) fails the
+    operation on every rank with the same text, and the job goes on."""
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import ringflow.torch as hvd
+        hvd.init()
+        r = hvd.rank()
+        for bad in (torch.zeros(2, dtype=torch.complex64), "not a tensor"):
+            try:
+                hvd.allreduce(bad if r == 1 else torch.zeros(2), name="x")
+            except Exception as e:
+                print("ERR", type(e).__name__, str(e).split(";")[0])
+        print("OK", hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item())
+    """))
+    proc = run(script, 2, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errs = sorted(line.split(":", 1)[1] for line in proc.stdout.splitlines() if "ERR" in line)
+    assert len(errs) == 4, proc.stdout
+    assert errs[0] == errs[1] and errs[2] == errs[3], errs  # same text on both ranks
+    assert any("complex64" in e for e in errs) and any("torch.Tensor" in e for e in errs)
+    assert proc.stdout.count("OK 2.0") == 2, proc.stdout
+
+
+def test_optimizer_misuse_raises_horovods_error_types() -> None:
+    """Single process: the module imports, builds flags are truthful, and bad arguments raise."""
+    import torch
+
+    import ringflow.torch as hvd
+    from ringflow.errors import RingflowError
+
+    hvd.init()
+    try:
+        model = torch.nn.Linear(2, 1)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        assert isinstance(opt, torch.optim.SGD)
+        assert hvd.gloo_built() is False and hvd.nccl_built() is False
+        assert hvd.mpi_enabled() is False and hvd.mpi_threads_supported() is False
+        assert not (hvd.ddl_built() or hvd.ccl_built() or hvd.rocm_built() or hvd.cuda_built())
+        assert hvd.mpi_built() in (True, False)
+        for call in (lambda: hvd.start_timeline("/tmp/t.json"), hvd.stop_timeline):
+            with pytest.raises(RingflowError, match="timeline"):
+                call()
+        with pytest.raises(ValueError, match="named_parameters should be a sequence of tuples"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=[model.weight, model.bias])
+        with pytest.raises(ValueError, match="must be unique"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=[("a", model.weight), ("a", model.bias)])
+        with pytest.raises(ValueError, match=r"cannot broadcast torch\.optim\.LBFGS"):
+            hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), 0)
+        with pytest.raises(hvd.OptimizerMisuseError):
+            raise hvd.OptimizerMisuseError("x")
+        assert issubclass(hvd.OptimizerMisuseError, AssertionError)
+    finally:
+        hvd.shutdown()

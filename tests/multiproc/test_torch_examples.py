@@ -1,0 +1,51 @@
+"""The PyTorch examples and the DDP comparison run end to end through ringflow-run (2 ranks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+import ringflow
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(ringflow.__file__).resolve().parent.parent
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
+LAUNCH = [sys.executable, "-m", "ringflow.runner", "-np", "2", sys.executable]
+
+
+def run(cmd: list[str], timeout: float = 180) -> str:
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout
+
+
+def test_mnist_example_learns_digits_and_checkpoints_on_rank_0(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    out = run([*LAUNCH, "examples/pytorch_mnist.py", "--checkpoint-dir", str(tmp_path)])
+    accuracy = float(re.search(r"final test accuracy ([0-9.]+)", out).group(1))
+    assert accuracy > 0.9, out
+    assert "[1]:epoch" not in out  # metrics are printed once, by rank 0
+    assert sorted(p.name for p in tmp_path.iterdir())[-1] == "checkpoint-8.pt"
+
+
+def test_synthetic_benchmark_reports_per_rank_and_total() -> None:
+    out = run([*LAUNCH, "examples/pytorch_synthetic_benchmark.py", "--model", "cnn",
+               "--num-iters", "2", "--num-batches-per-iter", "2", "--fp16-allreduce"])
+    assert re.search(r"Img/sec per rank: [0-9.]+ \+-[0-9.]+", out), out
+    assert "Total img/sec on 2 rank(s)" in out, out
+
+
+def test_ddp_comparison_runs_in_one_go() -> None:
+    out = run([sys.executable, "benchmarks/torch_ddp_vs_ringflow.py", "--models", "cnn",
+               "--num-iters", "1", "--num-batches-per-iter", "2"], timeout=200)
+    assert re.search(r"ringflow / DDP: [0-9.]+x", out), out

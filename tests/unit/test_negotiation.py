@@ -1,0 +1,204 @@
+"""The negotiation logic without I/O: readiness, validation, fusion, the response cache."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from ringflow.negotiation import (
+    CachedAllreduce,
+    Coordinator,
+    Request,
+    Response,
+    ResponseCache,
+    validate,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def coordinator(size: int = 3, threshold: int = 1 << 20, capacity: int = 64,
+                sets: dict[int, list[int]] | None = None) -> Coordinator:
+    members = {0: list(range(size)), **(sets or {})}
+    return Coordinator(size, lambda ps: members.get(ps, []), threshold, ResponseCache(capacity))
+
+
+def ar(name: str, n: int = 4, dtype: str = "float32", **fields: object) -> Request:
+    return Request(name=name, op="allreduce", dtype=dtype, shape=(n,), **fields)
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_a_name_is_ready_once_every_rank_submitted_it_in_any_order(order) -> None:
+    c = coordinator()
+    for i, rank in enumerate(order):
+        assert c.plan() == [], f"ready after only {order[:i]}"
+        c.submit(rank, [ar("x")], [])
+    (item,) = c.plan()
+    assert isinstance(item, Response) and item.names == ("x",) and not item.error
+    assert c.plan() == [] and c.stats["negotiated"] == 1
+
+
+def test_names_submitted_in_different_orders_on_each_rank_are_all_planned() -> None:
+    c = coordinator()
+    names = [f"t{i}" for i in range(10)]
+    for rank in range(3):
+        c.submit(rank, [ar(n) for n in names[rank:] + names[:rank]], [])
+    planned = [name for item in c.plan() for name in item.names]
+    assert sorted(planned) == names
+
+
+@pytest.mark.parametrize(("field", "odd", "shown"), [
+    ("dtype", {"dtype": "float64"}, "'float32' on ranks 0, 1; 'float64' on rank 2"),
+    ("shape", {"n": 5}, "(4,) on ranks 0, 1; (5,) on rank 2"),
+    ("reduce_op", {"reduce_op": 4}, "1 on ranks 0, 1; 4 on rank 2"),
+    ("prescale", {"prescale": 2.0}, "1.0 on ranks 0, 1; 2.0 on rank 2"),
+    ("compression", {"compression": "fp16"}, "'none' on ranks 0, 1; 'fp16' on rank 2"),
+    ("device", {"device": "cuda:0"}, "'cpu' on ranks 0, 1; 'cuda:0' on rank 2"),
+])
+def test_a_disagreement_is_one_error_naming_tensor_field_and_values(field, odd, shown) -> None:
+    c = coordinator()
+    c.submit(0, [ar("g")], [])
+    c.submit(2, [ar("g", **odd)], [])
+    c.submit(1, [ar("g")], [])
+    (item,) = c.plan()
+    assert item.error_type == "MismatchError"
+    assert item.error == f"ranks disagree on {field} of tensor 'g': {shown}"
+
+
+def test_allgather_compares_only_the_dimensions_after_the_first() -> None:
+    rows = {r: Request("g", "allgather", "int32", (r + 1, 3)) for r in range(3)}
+    assert validate("g", rows) is None
+    rows[1] = Request("g", "allgather", "int32", (2, 4))
+    assert validate("g", rows) == (
+        "MismatchError", "ranks disagree on shape[1:] of tensor 'g': (3,) on ranks 0, 2; "
+        "(4,) on rank 1")
+
+
+def test_a_local_failure_of_one_rank_fails_the_name_for_all() -> None:
+    c = coordinator()
+    c.submit(0, [ar("x")], [])
+    c.submit(1, [ar("x", error="tensor 'x' has dtype complex64")], [])
+    c.submit(2, [ar("x")], [])
+    (item,) = c.plan()
+    assert item.error_type == "TensorError"
+    assert item.error == "rank 1: tensor 'x' has dtype complex64"
+
+
+def test_unnamed_mismatch_hints_at_names() -> None:
+    problem = validate("allreduce.noname.0", {0: ar("a", 3), 1: ar("a", 5)})
+    assert problem is not None and "pass name=" in problem[1]
+
+
+def submit_all(c: Coordinator, requests: list[Request], size: int = 3) -> list:
+    for rank in range(size):
+        c.submit(rank, requests, [])
+    return c.plan()
+
+
+def test_fusion_packs_neighbours_up_to_the_threshold() -> None:
+    c = coordinator(threshold=128)  # two 64-byte tensors per buffer
+    items = submit_all(c, [ar(f"t{i}", 16) for i in range(5)])
+    assert [item.names for item in items] == [("t0", "t1"), ("t2", "t3"), ("t4",)]
+    assert c.stats["fused_items"] == 2
+
+
+def test_fusion_keeps_different_dtypes_ops_and_scales_apart() -> None:
+    c = coordinator()
+    reqs = [ar("a"), ar("b", dtype="float64"), ar("c", reduce_op=4), ar("d", postscale=0.5),
+            ar("e"), Request("f", "broadcast", "float32", (4,), root=0)]
+    items = submit_all(c, reqs)
+    assert sorted(item.names for item in items) == [
+        ("a", "e"), ("b",), ("c",), ("d",), ("f",)]
+
+
+def test_fusion_threshold_zero_disables_fusion() -> None:
+    c = coordinator(threshold=0)
+    items = submit_all(c, [ar(f"t{i}") for i in range(4)])
+    assert [item.names for item in items] == [("t0",), ("t1",), ("t2",), ("t3",)]
+
+
+def test_a_group_waits_for_all_its_names_and_fuses() -> None:
+    c = coordinator()
+    group = [ar(f"g.{i}", group="g", group_size=3) for i in range(3)]
+    for rank in range(3):
+        c.submit(rank, group[:2], [])
+    assert c.plan() == []
+    for rank in range(3):
+        c.submit(rank, group[2:], [])
+    (item,) = c.plan()
+    assert item.names == ("g.0", "g.1", "g.2")
+
+
+def test_joined_ranks_count_as_ready_for_allreduce_and_allgather() -> None:
+    c = coordinator()
+    c.submit(2, [Request("join", "join")], [])
+    c.submit(0, [ar("x"), Request("g", "allgather", "int8", (2, 3))], [])
+    c.submit(1, [ar("x"), Request("g", "allgather", "int8", (1, 3))], [])
+    items = {item.names: item for item in c.plan()}
+    assert items[("x",)].joined == (2,)
+    assert items[("g",)].first_dims == ((2, 1, 0),)
+
+
+def record(cache: ResponseCache, items: list) -> None:
+    for item in items:
+        cache.record(item, lambda key: None)
+
+
+def test_cache_bits_are_identical_on_two_independent_caches() -> None:
+    c = coordinator()
+    plans = [submit_all(c, [ar(f"p{step}.{i}", 1 + i) for i in range(6)]) for step in range(3)]
+    a, b = ResponseCache(64), ResponseCache(64)
+    for plan in plans:
+        record(a, plan)
+    for plan in plans:
+        b.record(plan[0], lambda key: ar(key[1]))  # what each rank submitted does not matter
+        record(b, plan[1:])
+    assert a.bit_of == b.bit_of and len(a.bit_of) == 18
+    assert a.key_of == [k for plan in plans for item in plan for k in (r.key for r in
+                                                                        item.requests)]
+
+
+def test_cache_capacity_limits_the_names_cached() -> None:
+    cache = ResponseCache(2)
+    reqs = [ar(f"c{i}") for i in range(3)]
+    cache.record(Response("allreduce", 0, tuple(reqs)), {r.key: r for r in reqs}.get)
+    assert cache.key_of == [(0, "c0"), (0, "c1")]
+    assert cache.lookup(reqs[0]) == 0 and cache.lookup(reqs[2]) is None
+    assert cache.lookup(ar("c0", 5)) is None  # a changed request goes in full
+    assert ResponseCache(0).lookup(reqs[0]) is None
+
+
+def test_cached_names_take_the_fast_path() -> None:
+    c = coordinator()
+    reqs = [ar(f"w{i}") for i in range(4)]
+    first = submit_all(c, reqs)
+    for item in first:
+        c.cache.record(item, {r.key: r for r in reqs}.get)
+    bits = [c.cache.lookup(r) for r in reqs]
+    assert bits == [0, 1, 2, 3]
+    for rank in range(3):
+        c.submit(rank, [], bits[::-1] if rank else bits)
+    (item,) = c.plan()
+    assert item == CachedAllreduce((0, 1, 2, 3))
+    assert c.stats["cache_hits"] == 4 and c.stats["negotiated"] == 4
+
+
+def test_a_stall_names_the_tensor_and_the_missing_ranks() -> None:
+    c = coordinator()
+    c.submit(0, [ar("s")], [])
+    c.submit(2, [ar("s")], [])
+    c.first_seen[(0, "s")] -= 100.0
+    warnings, fatal = c.stalled(warn_after=10, fail_after=0)
+    assert len(warnings) == 1 and "tensor 's'" in warnings[0] and "missing ranks [1]" in warnings[0]
+    warnings, fatal = c.stalled(warn_after=10, fail_after=50)
+    assert "missing ranks [1]" in fatal and "RINGFLOW_STALL_SHUTDOWN_S" in fatal
+
+
+def test_a_subset_process_set_needs_only_its_members() -> None:
+    c = coordinator(size=4, sets={1: [1, 3]})
+    c.submit(1, [ar("s", process_set=1)], [])
+    assert c.plan() == []
+    c.submit(3, [ar("s", process_set=1)], [])
+    (item,) = c.plan()
+    assert item.process_set == 1 and not item.error

@@ -1,0 +1,117 @@
+"""ringflow.tensorflow pieces that need no running job: naming, grouping, wrappers, and the
+contractual error messages raised before any collective starts."""
+
+from __future__ import annotations
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import ringflow.tensorflow as hvd  # noqa: E402
+import ringflow.tensorflow.keras as hvd_keras  # noqa: E402
+from ringflow.errors import ConfigError, RingflowError, TensorError  # noqa: E402
+from ringflow.tensorflow import gradient_tape, mpi_ops  # noqa: E402
+from ringflow.tensorflow.keras import optimizer as keras_optimizer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_normalize_name_makes_valid_op_names() -> None:
+    assert mpi_ops._normalize_name("dense/kernel:0") == "dense_kernel_0"
+    assert mpi_ops._normalize_name("ok_Name1") == "ok_Name1"
+
+
+def test_graph_names_are_scoped_unique_and_deterministic() -> None:
+    names: list[str | None] = []
+
+    @tf.function
+    def trace(x):
+        with tf.name_scope("tower"):
+            names.append(mpi_ops._op_name("Allreduce", [x], "grads"))
+            names.append(mpi_ops._op_name("Allreduce", [x], "grads"))
+            names.append(mpi_ops._op_name("Allreduce", [x], "grads", ignore_name_scope=True))
+        return x
+
+    trace(tf.constant(1.0))
+    assert names == ["tower/grads", "tower/grads_1", "grads"]
+    assert mpi_ops._op_name("Allreduce", [tf.constant(1.0)], None) is None  # eager: call order
+
+
+@pytest.mark.parametrize(("n", "num_groups", "want"), [
+    (5, 0, [[0, 1, 2, 3, 4]]),
+    (5, 2, [[0, 1], [2, 3, 4]]),
+    (3, 7, [[0], [1], [2]]),
+    (0, 0, []),
+])
+def test_gradient_groups(n: int, num_groups: int, want: list[list[int]]) -> None:
+    assert gradient_tape._groups(n, [object()] * n, num_groups, None) == want
+
+
+def test_explicit_groups_keep_the_rest_together() -> None:
+    a, b, c, d = (tf.Variable(float(i)) for i in range(4))
+    assert gradient_tape._groups(4, [a, b, c, d], 0, [[c, a], [d]]) == [[0, 2], [3], [1]]
+
+
+def test_average_and_op_are_exclusive() -> None:
+    with pytest.raises(ValueError, match="not both"):
+        hvd._resolve_op(hvd.Sum, True)
+    assert hvd._resolve_op(None, False) == hvd.Sum
+    assert hvd._resolve_op(None, None) == hvd.Average
+
+
+def test_predivide_needs_average() -> None:
+    with pytest.raises(TensorError, match=r"gradient_predivide_factor=2\.0 needs op=Average"):
+        gradient_tape.allreduce_gradients([tf.ones(1)], None, op=hvd.Sum,
+                                          gradient_predivide_factor=2.0)
+    with pytest.raises(ConfigError, match="needs op=Average"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Sum,
+                                       gradient_predivide_factor=2.0)
+
+
+def test_backward_passes_per_step_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="backward_passes_per_step must be >= 1, got 0"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
+
+
+def test_sparse_allreduce_rejects_min() -> None:
+    slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))
+    with pytest.raises(TensorError, match="supports op Sum or Average, not MIN"):
+        hvd.allreduce(slices, op=hvd.Min)
+
+
+def test_object_helpers_refuse_graph_mode() -> None:
+    for fn in (lambda: hvd.broadcast_object(1), lambda: hvd.allgather_object(1)):
+        with pytest.raises(TensorError, match=r"cannot run inside tf\.function"):
+            tf.function(fn, autograph=False)()
+
+
+def test_broadcast_global_variables_points_to_the_callback() -> None:
+    with pytest.raises(RingflowError, match="BroadcastGlobalVariablesCallback"):
+        hvd_keras.broadcast_global_variables(0)
+
+
+def test_distributed_optimizer_is_the_same_class_by_name_and_config() -> None:
+    base = keras.optimizers.Adam(0.01, beta_1=0.8)
+    opt = hvd_keras.DistributedOptimizer(base, backward_passes_per_step=3)
+    assert isinstance(opt, keras.optimizers.Adam)
+    assert type(opt).__name__ == "Adam" and type(opt).__module__ == type(base).__module__
+    assert opt.name == "DistributedAdam"
+    config = opt.get_config()
+    assert {k: v for k, v in config.items() if k != "name"} == {
+        k: v for k, v in base.get_config().items() if k != "name"}
+    again = type(opt).from_config(config)  # what load_model relies on
+    assert again._ringflow_options["backward_passes_per_step"] == 3
+    rewrapped = keras_optimizer.wrap_optimizer_class(type(opt))
+    assert rewrapped.__mro__[2] is keras.optimizers.Adam  # no double wrapping
+
+
+def test_distributed_tape_subclasses_the_tape() -> None:
+    tape = hvd.DistributedGradientTape(tf.GradientTape(persistent=True))
+    assert isinstance(tape, tf.GradientTape) and type(tape).__name__ == "GradientTape"
+    assert tape._persistent
+
+
+def test_schedule_with_constant_multiplier_is_staircase() -> None:
+    cb = hvd_keras.callbacks.LearningRateScheduleCallback(0.1, 0.5, staircase=False)
+    assert cb.staircase and cb.multiplier(3) == 0.5
