@@ -14,7 +14,10 @@ setup(
         "tensorflow": ["tensorflow-cpu"],
         "mpi": ["mpi4py", "openmpi"],
         "gpu": ["cupy-cuda12x"],
-        "test": ["pytest", "pytest-timeout", "scikit-learn", "pyyaml", "mpi4py", "openmpi"],
+        # Everything the whole test suite exercises; torch stays pinned by constraints.txt.
+        "test": ["pytest", "pytest-timeout", "scikit-learn", "pyyaml", "mpi4py", "openmpi",
+                 "torch", "tensorflow-cpu", "cloudpickle"],
+        "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["ringflow-run = ringflow.runner.cli:main"]},
 )

@@ -81,7 +81,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     """Join the job described by the environment (ringflow-run, mpirun, srun, torchrun).
 
     Calling it again while initialized does nothing. ``process_sets`` are added (collectively)
-    right after; ``comm`` is reserved for an mpi4py communicator (MPI transport issue).
+    right after. ``comm``, an mpi4py intracommunicator, makes the job of just its ranks
+    (Horovod's ``hvd.init(comm=...)``): every rank of ``comm`` must call ``init(comm=comm)``;
+    ranks, local and cross values come from the communicator, and the transport is ``mpi`` over
+    a private duplicate of it unless RINGFLOW_TRANSPORT names another one.
 
     Raises:
         ConfigError: a RINGFLOW_* variable or the launcher environment is invalid.
@@ -94,20 +97,25 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     with _state_lock:
         if _engine is not None:
             return
-        if comm is not None:
-            raise RingflowError("init(comm=...) needs the MPI transport, which is not built yet")
         config = Config.from_env()
         logging.getLogger("ringflow").setLevel(config.log_level.upper())
-        info = topology.detect()
+        if comm is not None:
+            from .bootstrap import comm_info
+
+            info = comm_info(comm)
+        else:
+            info = topology.detect()
         generation = next(_generation)
         if info.size == 1:
             from .transport.tcp import TcpTransport
 
             link: Any = TcpTransport(0, 1, {}, config.timeout_s)
+        elif comm is not None and config.transport in ("auto", "mpi"):
+            link = transport.create("mpi", info.rank, info.size, None, config, comm=comm)
         else:
             from .bootstrap import connect_store
 
-            store = connect_store(info, config.timeout_s)
+            store = connect_store(info, config.timeout_s, comm=comm)
             link = transport.connect(info, store, config, prefix=f"init{generation}/")
         _info = info
         _engine = Engine(info.rank, info.size, link, config)

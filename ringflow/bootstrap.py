@@ -30,6 +30,11 @@
 
 Otherwise :class:`~ringflow.errors.ConfigError` says which of these to set up. A store started
 here lives until the process exits.
+
+``ringflow.init(comm=...)`` (an mpi4py communicator) skips the environment: :func:`comm_info`
+derives the RankInfo from the communicator, and ``connect_store(..., comm=comm)`` runs step 3
+over that communicator instead of ``COMM_WORLD`` (needed only when RINGFLOW_TRANSPORT names a
+transport other than ``mpi``, which needs no store).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from . import rendezvous
 from .errors import ConfigError, RingflowError
 from .topology import RankInfo
 
-__all__ = ["connect_store"]
+__all__ = ["comm_info", "connect_store"]
 
 _servers: list[Any] = []
 
@@ -59,8 +64,40 @@ def _close_servers() -> None:
 atexit.register(_close_servers)
 
 
-def connect_store(info: RankInfo, timeout: float, environ: Mapping[str, str] | None = None) -> Any:
+def comm_info(comm: Any) -> RankInfo:
+    """This process's RankInfo in the job made of the ranks of mpi4py communicator ``comm``.
+
+    Collective over ``comm``. Local values come from ``MPI_Comm_split_type(SHARED)`` (the ranks
+    of ``comm`` on this host), cross values from splitting by local rank (as Horovod does), so
+    they are exact whatever the mapping of ranks to hosts.
+
+    Raises:
+        ConfigError: ``comm`` is not an mpi4py intracommunicator.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ConfigError(f"init(comm=...) needs mpi4py ({exc}); pip install 'ringflow[mpi]'"
+                          ) from exc
+    if not isinstance(comm, MPI.Comm) or comm.Is_inter():
+        raise ConfigError(f"init(comm=...) needs an mpi4py intracommunicator (e.g. "
+                          f"MPI.COMM_WORLD.Split(color, key)), got {type(comm).__name__}")
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    cross = comm.Split(local.Get_rank(), comm.Get_rank())
+    try:
+        return RankInfo(comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size(),
+                        cross.Get_rank(), cross.Get_size(), socket.gethostname(), "mpi")
+    finally:
+        local.Free()
+        cross.Free()
+
+
+def connect_store(info: RankInfo, timeout: float, environ: Mapping[str, str] | None = None,
+                  comm: Any = None) -> Any:
     """The job's rendezvous store for a process of a multi-process job (see the module doc).
+
+    With ``comm`` (an mpi4py communicator, from ``init(comm=...)``) rank 0 of ``comm`` starts
+    the store and broadcasts it over ``comm``, whatever the environment says.
 
     Raises:
         ConfigError: the environment names no way to reach the other ranks, or names one that
@@ -68,6 +105,10 @@ def connect_store(info: RankInfo, timeout: float, environ: Mapping[str, str] | N
         PeerError / RingflowTimeoutError: the store could not be reached within ``timeout``.
     """
     env = os.environ if environ is None else environ
+    if comm is not None:
+        from mpi4py import MPI
+
+        return _over_mpi(MPI, info, timeout, comm)
     if info.detector == "ringflow":
         return rendezvous.connect(env, timeout=timeout)
     addr = env.get("RINGFLOW_RENDEZVOUS_ADDR", "")
@@ -141,13 +182,13 @@ def _mpi_store_host(info: RankInfo) -> str:
     return host
 
 
-def _over_mpi(mpi: Any, info: RankInfo, timeout: float) -> Any:
+def _over_mpi(mpi: Any, info: RankInfo, timeout: float, comm: Any = None) -> Any:
     from . import wire
 
-    comm = mpi.COMM_WORLD
+    comm = mpi.COMM_WORLD if comm is None else comm
     if comm.Get_size() != info.size or comm.Get_rank() != info.rank:
         raise ConfigError(
-            f"MPI.COMM_WORLD has rank {comm.Get_rank()} of {comm.Get_size()}, but the "
+            f"the MPI communicator has rank {comm.Get_rank()} of {comm.Get_size()}, but the "
             f"{info.detector} environment says rank {info.rank} of {info.size}; unset stale "
             "launcher variables"
         )

@@ -51,8 +51,8 @@ class Config:
     timeline_path: str = ""
     #: Level of the ``ringflow`` logger: debug, info, warning, error.
     log_level: str = "warning"
-    #: Data transport: ``auto`` (shm between ranks of one host, tcp across hosts), or a registry
-    #: name (``tcp``, ``shm``, ``mpi``, ``loopback``).
+    #: Data transport: ``auto`` (mpi under mpirun with mpi4py; else shm between ranks of one host,
+    #: tcp across hosts), or a registry name (``tcp``, ``shm``, ``mpi``, ``loopback``).
     transport: str = "auto"
     #: Address this rank's listening sockets bind to; empty picks one from the rendezvous route.
     bind_addr: str = ""

@@ -81,7 +81,10 @@ class Engine:
         self._fusion: dict[str, np.ndarray] = {}
         self._subsets: dict[int, Any] = {}
         self._fatal: BaseException | None = None
-        self._stopping = False
+        # Once set, enqueue() fails at once with this error. Checked and set under _gate, and the
+        # inbox is drained after setting it, so no entry can slip in behind the final drain.
+        self._refuse: BaseException | None = None
+        self._gate = threading.Lock()
         self._last_heard: dict[int, float] = {}
         self._hb_interval = min(1.0, config.timeout_s / 4)
         self._stop_hb = threading.Event()
@@ -103,19 +106,20 @@ class Engine:
     # framework side ----------------------------------------------------------------------------
     def enqueue(self, request: Request, array: np.ndarray | None = None, out: Any = None) -> Handle:
         handle = Handle(request.name)
-        if self._fatal is not None:
-            handle._finish(error=_clone(self._fatal))
-        elif self._stopping:
-            handle._finish(error=ShutdownError("ringflow has been shut down; call init() again"))
-        else:
-            self._inbox.put(("enqueue", Entry(request, array, out, handle)))
+        with self._gate:
+            refuse = self._refuse
+            if refuse is None:
+                self._inbox.put(("enqueue", Entry(request, array, out, handle)))
+        if refuse is not None:
+            handle._finish(error=_clone(refuse))
         return handle
 
     def shutdown(self) -> None:
         """Fail what is pending, stop the threads, and close the transport (with a goodbye)."""
-        if not self._stopping:
-            self._stopping = True
-            self._inbox.put(("stop",))
+        with self._gate:
+            if self._refuse is None:
+                self._refuse = ShutdownError("ringflow has been shut down; call init() again")
+        self._inbox.put(("stop",))
         self._thread.join(self.config.timeout_s)
         self._stop_hb.set()
         self.transport.close()
@@ -152,7 +156,7 @@ class Engine:
             except Exception as exc:  # a bug must not leave handles hanging
                 log.exception("ringflow engine failed")
                 self._fail_job(ShutdownError(f"internal error in the engine: {exc!r}"))
-        self._fail_pending(ShutdownError("ringflow was shut down while this op was pending"))
+        self._close(ShutdownError("ringflow was shut down while this op was pending"))
 
     def _step(self, items: list[tuple]) -> bool:
         """Handle one batch of inbox items. Returns True when the thread should stop."""
@@ -231,7 +235,7 @@ class Engine:
             if self.coordinator is not None:
                 self.coordinator.rank_gone(peer, "it called shutdown()")
             elif peer == 0:
-                self._fail_pending(ShutdownError("rank 0 (the coordinator) has shut down"))
+                self._close(ShutdownError("rank 0 (the coordinator) has shut down"))
             return
         self._fail_job(error)
 
@@ -264,26 +268,38 @@ class Engine:
                 error = self._await_verdict(error)
         self._fatal = error
         log.error("ringflow: %s", error)
-        self._fail_pending(error)
+        self._close(error)
 
     def _await_verdict(self, error: BaseException) -> BaseException:
         """Give rank 0 a moment to announce the job's error, so every rank reports one text."""
         deadline = time.monotonic() + 1.0
+        verdict = error
+        keep = []  # entries and a stop: _close() fails the entries and keeps the stop
         while (left := deadline - time.monotonic()) > 0:
             try:
                 item = self._inbox.get(timeout=left)
             except queue.Empty:
                 break
             if item[0] == "ctrl" and item[2][0] == "fatal":
-                return getattr(errors, item[2][1])(item[2][2])
-            if item[0] == "enqueue":
-                item[1].handle._finish(error=_clone(error))
-        return error
+                verdict = getattr(errors, item[2][1])(item[2][2])
+                break
+            if item[0] in ("enqueue", "stop"):
+                keep.append(item)
+                if item[0] == "stop":
+                    break
+        for item in keep:
+            self._inbox.put(item)
+        return verdict
 
-    def _fail_pending(self, error: BaseException) -> None:
+    def _close(self, error: BaseException) -> None:
+        """Refuse new operations with ``error`` and fail every one in flight with it."""
+        with self._gate:
+            if self._refuse is None:
+                self._refuse = error
         pending, self._pending = self._pending, {}
         for entry in pending.values():
             entry.handle._finish(error=_clone(error))
+        keep = []
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -291,6 +307,10 @@ class Engine:
                 break
             if item[0] == "enqueue":
                 item[1].handle._finish(error=_clone(error))
+            else:
+                keep.append(item)  # a "stop" must still stop the thread
+        for item in keep:
+            self._inbox.put(item)
 
     # messaging ---------------------------------------------------------------------------------
     def _send(self, dst: int, msg: tuple) -> None:
@@ -428,7 +448,7 @@ class Engine:
                 np.multiply(e0.array, ref.prescale, out=out, casting="unsafe")
             elif out is not e0.array:
                 np.copyto(out, e0.array)
-            algorithms.allreduce(t, out.reshape(-1), reduce_op, ref.postscale)
+            _allreduce_on(t, out.reshape(-1), reduce_op, ref.postscale)
             return [out]
         buf = shm.input_view(total, wire) if shm else self._fusion_buffer(wire, total)
         offset = 0
@@ -444,7 +464,7 @@ class Engine:
         if shm is not None:
             shm.allreduce(buf, buf, reduce_op, ref.postscale)
         else:
-            algorithms.allreduce(t, buf, reduce_op, ref.postscale)
+            _allreduce_on(t, buf, reduce_op, ref.postscale)
         results: list[Any] = []
         offset = 0
         for entry, r, n in zip(entries, refs, sizes, strict=True):
@@ -493,6 +513,18 @@ class Engine:
         if buf is None or buf.size < n:
             buf = self._fusion[dtype.str] = np.empty(max(n, 1), dtype)
         return buf[:n]
+
+
+def _allreduce_on(t: Any, buf: np.ndarray, op: ReduceOp, postscale: float) -> None:
+    """The transport's own allreduce where it has one (mpi: MPI_Iallreduce), else the ring.
+
+    Only the global process set's transport can have one: a Subset never does.
+    """
+    native = getattr(t, "allreduce", None)
+    if native is not None:
+        native(buf, op, postscale)
+    else:
+        algorithms.allreduce(t, buf, op, postscale)
 
 
 def _output(entry: Entry, req: Request) -> np.ndarray:

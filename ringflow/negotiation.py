@@ -254,7 +254,8 @@ class Coordinator:
         members = self.members(key[0])
         first = slot[min(slot)]
         if not members:
-            return _error(first, f"process set {key[0]} was removed", "ValueError")
+            return _error(first, f"process set {key[0]} was removed while {first.name!r} was "
+                          "pending on it", "TensorError")
         missing_gone = sorted(set(members) - set(slot) & set(self.gone))
         if missing_gone:
             r = missing_gone[0]

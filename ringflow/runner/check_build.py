@@ -3,7 +3,9 @@
 Everything is found without importing the heavy packages (``importlib.util.find_spec``): checking
 the build must take a fraction of a second, not the seconds an ``import torch`` takes. A transport
 is available when it is registered in :mod:`ringflow.transport` *and* its optional dependency is
-installed (``mpi``: mpi4py; ``nccl``: cupy); a GPU is one that ``nvidia-smi -L`` lists.
+installed (``mpi``: mpi4py; ``nccl``: cupy); a GPU is one that ``nvidia-smi -L`` lists. MPI is the
+exception: :func:`ringflow.transport.mpi.available` asks a child Python for the MPI library's
+version (about 0.2 s; importing mpi4py.MPI here would initialize MPI), which the list shows.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ def _gpus() -> list[str]:
 def check_build(version: str) -> str:
     """The checklist text (ends with a newline)."""
     from .. import transport
+    from ..transport import mpi
 
     registered = set(transport.available())
+    mpi_version = mpi.available() if _installed("mpi4py") else None
 
     def mark(ok: bool) -> str:
         return "[X]" if ok else "[ ]"
@@ -56,11 +60,14 @@ def check_build(version: str) -> str:
     lines = [f"ringflow v{version}:", "", "Available Frameworks:"]
     lines += [f"    {mark(_installed(mod))} {name}" for name, mod in _FRAMEWORKS]
     lines += ["", "Available Controllers:", f"    {mark(True)} TCP (rendezvous store)"]
-    lines += [f"    {mark(_installed('mpi4py'))} MPI (mpirun bootstrap through mpi4py)"]
+    lines += [f"    {mark(mpi_version is not None)} MPI (mpirun bootstrap through mpi4py)"]
     lines += ["", "Available Tensor Operations:"]
     for name, needs, hint in _TRANSPORTS:
         ok = name.lower() in registered and (needs is None or _installed(needs))
         note = ""
+        if name == "MPI" and ok:
+            ok = mpi_version is not None
+            note = f"  ({mpi_version})" if ok else "  (mpi4py.MPI does not import)"
         if not ok and name.lower() not in registered:
             note = "  (not in this build)"
         elif not ok:

@@ -164,15 +164,22 @@ def is_homogeneous() -> bool:
 
 
 def mpi_built() -> bool:
-    return False
+    """True when ringflow can use MPI: mpi4py imports and loads an MPI library."""
+    from ringflow.transport import mpi
+
+    return mpi.available() is not None
 
 
 def mpi_enabled() -> bool:
-    return False
+    """True when the running job moves data over MPI (the ``mpi`` transport is in use)."""
+    from ringflow.transport import mpi
+
+    return mpi.enabled()
 
 
 def mpi_threads_supported() -> bool:
-    return False
+    """True whenever the mpi transport is in use (it needs MPI_THREAD_MULTIPLE)."""
+    return mpi_enabled()
 
 
 def nccl_built() -> bool:

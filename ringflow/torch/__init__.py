@@ -22,8 +22,9 @@ Differences from Horovod 0.28 (each one deliberate):
   raises ``AssertionError`` with the same text).
 - Build/feature queries answer for ringflow: ``gloo_built()`` / ``nccl_built()`` / ``ddl_built()`` /
   ``ccl_built()`` / ``cuda_built()`` / ``rocm_built()`` are False (ringflow has its own TCP
-  transport); ``mpi_built()`` is True only when an ``mpi`` transport is registered *and* mpi4py
-  imports; ``mpi_enabled()`` is True only when that transport is the one in use.
+  transport); ``mpi_built()`` is True only when mpi4py imports and loads an MPI library
+  (``ringflow.transport.mpi.available()``); ``mpi_enabled()`` is True only when the ``mpi``
+  transport is the one in use.
 - ``start_timeline`` / ``stop_timeline`` raise ``RingflowError`` until the core offers run-time
   timeline control.
 - ``root_rank`` of broadcast operations is a rank within the process set (the global rank for the
@@ -31,9 +32,6 @@ Differences from Horovod 0.28 (each one deliberate):
 """
 
 from __future__ import annotations
-
-import importlib.util
-import os
 
 import ringflow as _rf
 
@@ -172,20 +170,23 @@ __all__ = [
 
 
 def mpi_built() -> bool:
-    """True when ringflow can use MPI: an ``mpi`` transport is registered and mpi4py imports."""
-    from .. import transport
+    """True when ringflow can use MPI: mpi4py imports and loads an MPI library."""
+    from ..transport import mpi
 
-    return "mpi" in transport.available() and importlib.util.find_spec("mpi4py") is not None
+    return mpi.available() is not None
 
 
 def mpi_enabled() -> bool:
-    """True when the running job moves data over MPI (``RINGFLOW_TRANSPORT=mpi``)."""
-    return mpi_built() and os.environ.get("RINGFLOW_TRANSPORT", "").lower() == "mpi"
+    """True when the running job moves data over MPI (the ``mpi`` transport is in use)."""
+    from ..transport import mpi
+
+    return mpi.enabled()
 
 
 def mpi_threads_supported() -> bool:
-    """Whether MPI was initialized with MPI_THREAD_MULTIPLE; False when MPI is not in use."""
-    return False
+    """Whether MPI runs with MPI_THREAD_MULTIPLE: True whenever the mpi transport is in use
+    (it refuses to start without it); False when MPI is not in use."""
+    return mpi_enabled()
 
 
 def gloo_built() -> bool:

@@ -12,12 +12,15 @@ asked for, so ``import ringflow`` never imports mpi4py or cupy.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import ConfigError
 
 __all__ = ["Subset", "Transport", "Work", "available", "connect", "create", "register"]
+
+_log = logging.getLogger(__name__)
 
 
 class Work(Protocol):
@@ -107,13 +110,24 @@ def create(name: str, *args: object, **kwargs: object) -> Transport:
 def connect(info: Any, store: Any, config: Any, prefix: str) -> Transport:
     """The job's transport, chosen alike on every rank from the layout they all publish.
 
-    ``config.transport == "auto"``: shared memory when every rank is on one host; shared memory
-    within hosts plus rings across them (hierarchical) when every host has the same number of
-    ranks (more than one), numbered host by host; plain TCP otherwise. Any other value names
-    a registered transport and is used as is.
+    ``config.transport == "auto"``: MPI when the job was started by mpirun (detector ``openmpi``
+    or ``pmi``) and every rank can use mpi4py with MPI_THREAD_MULTIPLE (each rank publishes why
+    it cannot, so that all choose alike); else shared memory when every rank is on one host;
+    shared memory within hosts plus rings across them (hierarchical) when every host has the same
+    number of ranks (more than one), numbered host by host; plain TCP otherwise. Any other value
+    names a registered transport and is used as is.
     """
     name = config.transport
     kwargs: dict[str, Any] = {}
+    if name == "auto" and getattr(info, "detector", "") in ("openmpi", "pmi"):
+        from . import mpi
+
+        store.set(f"{prefix}mpi/{info.rank}", (mpi.unusable_reason() or "ok").encode())
+        why = [store.get(f"{prefix}mpi/{r}").decode() for r in range(info.size)]
+        if all(w == "ok" for w in why):
+            name = "mpi"
+        else:
+            _log.info("not using the mpi transport: %s", next(w for w in why if w != "ok"))
     if name == "auto":
         store.set(f"{prefix}layout/{info.rank}",
                   f"{info.cross_rank},{info.local_rank},{info.local_size}".encode())
@@ -133,3 +147,4 @@ def connect(info: Any, store: Any, config: Any, prefix: str) -> Transport:
 register("loopback", "ringflow.transport.loopback", "create")
 register("tcp", "ringflow.transport.tcp", "create")
 register("shm", "ringflow.transport.shm", "create")
+register("mpi", "ringflow.transport.mpi", "create")

@@ -17,6 +17,8 @@
 Traffic only ever goes to those namespace addresses or loopback. Everything is removed on exit,
 failure included: processes in the namespaces, the namespaces, the bridge, the directory.
 :func:`unavailable` says why namespaces cannot be made here (then the tests skip).
+:func:`ringflow_run` builds the launcher's command line for a cluster, :func:`shaped` limits every
+host's link with ``tc``, and :func:`link_bytes` reads a host's link counters from outside.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -45,6 +48,10 @@ class Cluster:
     identity: str
     known_hosts: str
     workdir: str
+    #: ``namespaces[i]`` holds host ``hosts[i]``; ``links[i]`` is the root-namespace end of its
+    #: veth pair (a bridge port). The host's own end is named ``interface`` in its namespace.
+    namespaces: tuple[str, ...] = ()
+    links: tuple[str, ...] = ()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -154,7 +161,8 @@ def cluster(n: int = 2) -> Iterator[Cluster]:
         deadline = time.monotonic() + 15
         for addr, proc in zip(addresses, sshds, strict=True):
             _wait_port(addr, 22, deadline, proc)
-        yield Cluster(names, addresses, tag, config, os.path.join(tmp, "id"), known, tmp)
+        yield Cluster(names, addresses, tag, config, os.path.join(tmp, "id"), known, tmp,
+                      tuple(namespaces), tuple(f"{tag}v{i}" for i in range(1, n + 1)))
     finally:
         for proc in sshds:
             with contextlib.suppress(ProcessLookupError):
@@ -170,3 +178,49 @@ def cluster(n: int = 2) -> Iterator[Cluster]:
         for args in reversed(undo):
             _ip(*args, check=False)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ringflow_run(c: Cluster, slots: dict[int, int], *command: str) -> list[str]:
+    """The ``ringflow-run`` command line for ``slots[i]`` ranks on host ``c.hosts[i]``."""
+    spec = ",".join(f"{c.hosts[i]}:{k}" for i, k in sorted(slots.items()))
+    return [
+        sys.executable, "-m", "ringflow.runner", "-np", str(sum(slots.values())),
+        "-H", spec, "--ssh-config-file", c.ssh_config, "-i", c.identity, "-p", "22",
+        "--network-interface", c.interface, *command,
+    ]
+
+
+def link_bytes(c: Cluster, i: int) -> tuple[int, int]:
+    """(bytes sent, bytes received) so far by host ``i`` on its link to the bridge.
+
+    Read from the root-namespace end of the veth pair: what that end received is what the host
+    sent, and the other way round.
+    """
+    base = f"/sys/class/net/{c.links[i]}/statistics/"
+    with open(base + "rx_bytes") as rx, open(base + "tx_bytes") as tx:
+        return int(rx.read()), int(tx.read())
+
+
+@contextlib.contextmanager
+def shaped(c: Cluster, rate: str = "1gbit", burst: str = "256kb",
+           latency: str = "25ms") -> Iterator[None]:
+    """Limit every host's link to ``rate`` in each direction with a token-bucket qdisc (``tc``).
+
+    The host's own veth end shapes what it sends, the bridge's end what it receives: a
+    full-duplex link of ``rate`` per host, like a switch port. Removed on exit, failure included.
+    """
+    if shutil.which("tc") is None:
+        raise RuntimeError("the `tc` command (iproute2) is missing: apt-get install -y iproute2")
+    tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
+    done: list[list[str]] = []
+    try:
+        for ns, outer in zip(c.namespaces, c.links, strict=True):
+            for where in (["-n", ns], []):
+                dev = c.interface if where else outer
+                subprocess.run(["tc", *where, "qdisc", "add", "dev", dev, *tbf], check=True,
+                               capture_output=True, text=True, timeout=20)
+                done.append(["tc", *where, "qdisc", "del", "dev", dev, "root"])
+        yield
+    finally:
+        for cmd in reversed(done):
+            subprocess.run(cmd, check=False, capture_output=True, timeout=20)

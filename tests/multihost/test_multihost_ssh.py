@@ -35,11 +35,7 @@ def hosts():
 
 
 def launcher_args(c: netns_cluster.Cluster, *extra: str) -> list[str]:
-    return [
-        sys.executable, "-m", "ringflow.runner", "-np", "4", "-H", f"{c.hosts[0]}:2,{c.hosts[1]}:2",
-        "--ssh-config-file", c.ssh_config, "-i", c.identity, "-p", "22",
-        "--network-interface", c.interface, *extra,
-    ]
+    return netns_cluster.ringflow_run(c, {0: 2, 1: 2}, *extra)
 
 
 WORKER = """

@@ -95,6 +95,15 @@ def test_fusion_threshold_zero_runs_one_collective_per_tensor(tmp_path: Path) ->
         assert res["grouped"]["collectives"] == res["count"], res["grouped"]
 
 
+def test_cache_capacity_zero_negotiates_every_time(tmp_path: Path) -> None:
+    results = launch("fusion", 2, tmp_path, env={"RINGFLOW_CACHE_CAPACITY": "0"})
+    for res in results.values():
+        assert res["steady"]["bits_sent"] == 0, res["steady"]
+        assert res["steady"]["requests_sent"] == res["count"], res["steady"]
+        assert res["first"]["cached_names"] == 0  # nothing was cached
+    assert results[0]["steady"]["negotiated"] == results[0]["count"]
+
+
 # field -> (value on ranks 0..n-2, value on rank n-1), as the message prints them
 MISMATCHES = {
     "op": ("'allreduce'", "'allgather'"),
@@ -107,6 +116,7 @@ MISMATCHES = {
     "postscale": ("1.0", "0.5"),
     "compression": ("'none'", "'fp16'"),
     "group": ("'m.group'", "''"),
+    "cached": ("(4,)", "(5,)"),  # a shape change of a name already in the response cache
 }
 
 
@@ -119,7 +129,8 @@ def test_every_mismatch_fails_on_every_rank_with_one_text(tmp_path: Path) -> Non
         name = results[0][field]["name"]
         assert error["type"] == "MismatchError", error
         text = error["text"]
-        assert f"ranks disagree on {field} of tensor {name!r}" in text, text
+        shown = "shape" if field == "cached" else field
+        assert f"ranks disagree on {shown} of tensor {name!r}" in text, text
         assert f"{common} on ranks 0, 1" in text and f"{odd} on rank 2" in text, text
 
 
@@ -161,6 +172,10 @@ def test_process_sets(tmp_path: Path) -> None:
         assert f"rank {r} is not a member of ProcessSet(" in res["non_member"]["text"]
         assert other in res["non_member"]["text"]
         assert res["removed"] == [True, True]
+        if r == 0:
+            assert res["orphan"]["type"] == "TensorError", res["orphan"]
+            assert "process set 1 was removed while 'ps.orphan' was pending" in (
+                res["orphan"]["text"])
         assert res["after_remove"]["type"] == "TensorError"
         assert "has not been added; call add_process_set() first" in res["after_remove"]["text"]
 

@@ -29,12 +29,19 @@ PYTHONPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
 ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
 
 
-def run(script: str | Path, np: int, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run(script: str | Path, np: int, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     if np == 1:
         cmd = [sys.executable, str(script)]
     else:
         cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(np), sys.executable, str(script)]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
+            else (exc.stdout or "")
+        passed = out.count("PASS ")
+        pytest.fail(f"{script} on {np} ranks did not finish within {timeout} s; {passed} of {np} "
+                    f"ranks had printed PASS (all of them: the hang is at shutdown)\n{out[-3000:]}")
 
 
 def assert_passed(proc: subprocess.CompletedProcess[str], np: int) -> None:

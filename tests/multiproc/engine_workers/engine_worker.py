@@ -143,6 +143,13 @@ def mismatch(r: int, n: int) -> dict[str, Any]:
         # The next good op succeeds.
         got = rf.allreduce(np.full(3, r + 1.0), name=f"after.{field}", op=rf.Sum)
         check(np.array_equal(got, np.full(3, float(tri(n)))), f"op after {field} mismatch: {got}")
+    # A cached name whose request changes on one rank is negotiated again, and disagrees.
+    for _ in range(2):
+        rf.allreduce(np.ones(4), name="m.cached", op=rf.Sum)
+    out["cached"] = failure(rf.allreduce, np.ones(5 if r == n - 1 else 4), name="m.cached")
+    out["cached"]["name"] = "m.cached"
+    got = rf.allreduce(np.ones(4), name="m.cached", op=rf.Sum)
+    check(np.array_equal(got, np.full(4, float(n))), f"cached name after its mismatch: {got}")
     # Different first dimensions are fine for allgather.
     got = rf.allgather(np.full((r + 1, 3), r), name="ok.gather")
     want = np.concatenate([np.full((q + 1, 3), q) for q in range(n)])
@@ -196,7 +203,11 @@ def process_sets(r: int, n: int) -> dict[str, Any]:
     out["non_member"] = failure(rf.allreduce, np.ones(2), name="ps.outsider", process_set=other)
     got = rf.allreduce(np.full(2, r + 1), name="ps.global", op=rf.Sum)
     check(got.tolist() == [tri(n)] * 2, f"global op with sets: {got}")
+    # Only rank 0 submits this one; removing the set fails it instead of leaving it waiting.
+    orphan = rf.allreduce_async(np.ones(2), name="ps.orphan", process_set=low) if r == 0 else None
     out["removed"] = [rf.remove_process_set(low), rf.remove_process_set(high)]
+    if orphan is not None:
+        out["orphan"] = wait_failure(orphan, 30)
     out["after_remove"] = failure(rf.allreduce, np.ones(2), name="ps.gone", process_set=mine)
     again = rf.add_process_set([1, 2, 3])
     if again.included():
