@@ -17,6 +17,7 @@ setup(
         # Everything the whole test suite exercises; torch stays pinned by constraints.txt.
         "test": ["pytest", "pytest-timeout", "scikit-learn", "pyyaml", "mpi4py", "openmpi",
                  "torch", "tensorflow-cpu", "cloudpickle"],
+        "examples": ["scikit-learn"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["ringflow-run = ringflow.runner.cli:main"]},

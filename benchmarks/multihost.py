@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "multihost"))
@@ -173,10 +174,21 @@ def main() -> int:
     runs: dict[str, list[tuple[float, float | None]]] = {}
     log = []
 
-    def record(key: str, results: list[dict]) -> None:
+    failures: list[str] = []
+
+    def record(key: str, job: Callable[[], list[dict]]) -> None:
+        for attempt in (1, 2):  # a failed job is reported and retried once, never averaged in
+            try:
+                results = job()
+                break
+            except RuntimeError as exc:
+                failures.append(f"{key} (repeat {rep + 1}, attempt {attempt}): {exc}")
+                print(f"  {key} failed: {exc}", file=sys.stderr, flush=True)
+        else:
+            return
         got = _summary(results)
         runs.setdefault(key, []).append(got)
-        log.append({"config": key, "rep": rep, "results": results})
+        log.append({"config": key, "rep": rep, "results": results, "failures": failures})
         sent = "" if got[1] is None else f", {got[1] / 2**20:.1f} MiB sent per host"
         print(f"  {key}: {got[0]:.3f} s{sent}", file=sys.stderr, flush=True)
 
@@ -186,18 +198,19 @@ def main() -> int:
         me = [sys.executable, os.path.abspath(__file__), "--gloo-worker", "--master",
               c.addresses[0], "--interface", c.interface]
         ringflow = [sys.executable, WORKER, "--interface", c.interface, *common]
+        two_by_two = {0: 2, 1: 2}
+        tcp_env = dict(env, RINGFLOW_TRANSPORT="tcp")
         for rep in range(args.repeats):
             print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr, flush=True)
             for n in args.hosts:
                 slots = dict.fromkeys(range(n), 1)
-                record(f"ringflow/{n}", _job(c, slots, ringflow, env, timeout))
+                record(f"ringflow/{n}", lambda s=slots: _job(c, s, ringflow, env, timeout))
                 if not args.no_gloo:
-                    port = ["--port", str(random.randrange(20000, 60000))]
-                    record(f"gloo/{n}", _job(c, slots, [*me, *port, *common], env, timeout))
-            two_by_two = {0: 2, 1: 2}
-            record("hier", _job(c, two_by_two, ringflow, env, timeout))
-            record("tcp", _job(c, two_by_two, ringflow, dict(env, RINGFLOW_TRANSPORT="tcp"),
-                               timeout))
+                    record(f"gloo/{n}", lambda s=slots: _job(
+                        c, s, [*me, "--port", str(random.randrange(20000, 60000)), *common],
+                        env, timeout))
+            record("hier", lambda: _job(c, two_by_two, ringflow, env, timeout))
+            record("tcp", lambda: _job(c, two_by_two, ringflow, tcp_env, timeout))
     took = time.monotonic() - started
 
     mib = f"{args.mib} MiB"
@@ -211,6 +224,9 @@ def main() -> int:
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for n in args.hosts:
         bound = 2 * (n - 1) / n * nbytes * 8 / bps
+        if not runs.get(f"ringflow/{n}") or not (args.no_gloo or runs.get(f"gloo/{n}")):
+            print(f"| {n} | {bound:.3f} | every job failed (see below) |")
+            continue
         rf_t = [t for t, _ in runs[f"ringflow/{n}"]]
         rf_b = [b / (2 * (n - 1) / n * nbytes) for _, b in runs[f"ringflow/{n}"]]
         row = [str(n), f"{bound:.3f}", _med(rf_t), f"{bound / statistics.median(rf_t):.3f}",
@@ -229,12 +245,17 @@ def main() -> int:
             "/ rank-level 2(N-1)/N·S"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for key, name in (("hier", "hierarchical (auto)"), ("tcp", "RINGFLOW_TRANSPORT=tcp")):
+        if not runs.get(key):
+            print(f"| {name} | every job failed (see below) |")
+            continue
         ts = [t for t, _ in runs[key]]
         sent = statistics.median(b for _, b in runs[key])
         print(f"| {name} | {_med(ts)} | {sent / 2**20:.2f} | {sent / host_bound:.3f} | "
               f"{sent / rank_bound:.3f} |")
     print(f"\nhost-level bound {host_bound / 2**20:.0f} MiB, rank-level bound "
           f"{rank_bound / 2**20:.0f} MiB per rank; whole run {took:.0f} s")
+    for line in failures:
+        print(f"failed job: {line.splitlines()[0]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(log, f)

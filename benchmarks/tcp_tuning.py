@@ -1,7 +1,7 @@
 """Sweep of the TCP ring's knobs on loopback: pipeline chunk, socket buffers, send path.
 
     python benchmarks/tcp_tuning.py                        # every sweep, 2 and 4 ranks, 3 repeats
-    python benchmarks/tcp_tuning.py --sweep chunk --np 2 --repeats 5
+    python benchmarks/tcp_tuning.py --sweep chunk --chunk-kib 1024 2048 4096 --max-mib 256
 
 Each variant runs the engine path of ``benchmarks/allreduce_peers.py`` (``ringflow-run``, float32
 SUM, median per size) with ``RINGFLOW_TRANSPORT=tcp``, so that every byte goes through
@@ -14,6 +14,9 @@ patching the module in the worker before ``ringflow.init()``:
 - ``send``: ``dontwait`` (the shipped path: a non-blocking ``sendmsg`` from the caller, the rest on
   the peer's sender thread), ``thread`` (every send handed to the sender thread, blocking
   ``sendmsg``), ``sendall`` (sender thread, ``sendall`` of the header then of the payload).
+
+``--transport auto`` runs the same sweep on the shared-memory path instead (the chunk is also the
+block of its reduce loop). A run that fails is reported on stderr and left out of the medians.
 
 Repeats are interleaved (every variant once, then again) so that load from other processes on a
 shared machine spreads over all variants; the table gives the median of the per-run medians and
@@ -32,7 +35,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SIZES = [1 << 20, 16 << 20, 64 << 20]
+SIZES = [1 << 20, 16 << 20, 64 << 20, 256 << 20]
 DEFAULT = {"chunk": 1 << 20, "buf": 0, "send": "dontwait"}
 SWEEPS = {
     "chunk": [{"chunk": c} for c in (256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)],
@@ -77,17 +80,18 @@ def _patch(variant: dict[str, object]) -> None:
         peer._push = push
 
 
-def _run(variant: dict[str, object], n: int, sizes: list[int], timeout: float):
+def _run(variant: dict[str, object], n: int, sizes: list[int], timeout: float,
+         transport: str = "tcp"):
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(n), sys.executable,
                os.path.abspath(__file__), "--worker", json.dumps(variant), "--result", result,
                "--sizes", ",".join(map(str, sizes))]
-        env = dict(os.environ, OMP_NUM_THREADS="1", RINGFLOW_TRANSPORT="tcp")
+        env = dict(os.environ, OMP_NUM_THREADS="1", RINGFLOW_TRANSPORT=transport)
         proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, timeout=timeout, check=False)
         if proc.returncode or not os.path.exists(result):
-            print(f"  {variant} np={n} failed ({proc.returncode}): {proc.stderr[-500:]}",
+            print(f"  {variant} np={n} failed ({proc.returncode}): {proc.stderr[:1500]}",
                   file=sys.stderr)
             return None
         with open(result) as f:
@@ -111,7 +115,11 @@ def main() -> None:
     ap.add_argument("--sweep", nargs="+", default=list(SWEEPS), choices=list(SWEEPS))
     ap.add_argument("--np", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-mib", type=int, default=64)
+    ap.add_argument("--max-mib", type=int, default=64, help="largest buffer, MiB (up to 256)")
+    ap.add_argument("--chunk-kib", type=int, nargs="+", default=[],
+                    help="the chunk sweep's values in KiB (default 256 .. 8192)")
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "auto"],
+                    help="RINGFLOW_TRANSPORT of the runs (auto: shared memory on one host)")
     ap.add_argument("--raw", default="", help="append every run's figures to this JSONL file")
     args = ap.parse_args()
     sys.path.insert(0, HERE)
@@ -122,6 +130,8 @@ def main() -> None:
         allreduce_peers.worker("ringflow", [int(s) for s in args.sizes.split(",")], args.result)
         return
     sizes = [s for s in SIZES if s <= args.max_mib << 20]
+    if args.chunk_kib:
+        SWEEPS["chunk"] = [{"chunk": k << 10} for k in args.chunk_kib]
     runs: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for rep in range(args.repeats):
         for sweep in args.sweep:
@@ -130,18 +140,19 @@ def main() -> None:
                 for n in args.np:
                     print(f"rep {rep + 1}/{args.repeats}: {sweep}={_label(variant, sweep)} "
                           f"np={n}", file=sys.stderr, flush=True)
-                    got = _run(variant, n, sizes, 600)
+                    got = _run(variant, n, sizes, 600, args.transport)
                     if got is None:
                         continue
                     runs.setdefault((sweep, _label(variant, sweep), n), []).append(got)
                     if args.raw:
                         with open(args.raw, "a") as f:
                             f.write(json.dumps({"variant": variant, "np": n, "rep": rep,
-                                                "times": got}) + "\n")
+                                                "transport": args.transport, "times": got})
+                                    + "\n")
     for sweep in args.sweep:
         for n in args.np:
             head = ["value"] + [allreduce_peers._fmt_size(s) + " ms (min-max)" for s in sizes]
-            print(f"\n### {sweep}, {n} ranks, RINGFLOW_TRANSPORT=tcp, median of "
+            print(f"\n### {sweep}, {n} ranks, RINGFLOW_TRANSPORT={args.transport}, median of "
                   f"{args.repeats} runs\n")
             print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
             for change in SWEEPS[sweep]:
