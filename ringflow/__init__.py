@@ -37,7 +37,8 @@ __all__ = [
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_initialized", "join",
     "launcher", "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
-    "remove_process_set", "run", "shutdown", "size", "stats", "synchronize",
+    "remove_process_set", "run", "shutdown", "size", "start_timeline", "stats",
+    "stop_timeline", "synchronize",
 ]
 
 log = logging.getLogger(__name__)
@@ -428,6 +429,18 @@ def remove_process_set(process_set: ProcessSet) -> bool:
                             root=set_id)).wait()
     process_set.process_set_id = None
     return True
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Write a Chrome-trace timeline of this rank's operations to ``file_path`` (rank 0) or
+    ``file_path`` with ``.rank<r>`` before the suffix (other ranks). ``mark_cycles`` is accepted
+    for Horovod compatibility; ringflow has no cycles to mark (negotiation is event-driven)."""
+    _need().timeline(str(file_path))
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline started by :func:`start_timeline` or RINGFLOW_TIMELINE_PATH."""
+    _need().timeline(None)
 
 
 def poll(handle: Handle) -> bool:

@@ -40,6 +40,7 @@ from .errors import PeerError, RingflowError, ShutdownError
 from .handles import Handle
 from .negotiation import CachedAllreduce, Coordinator, Request, Response, ResponseCache
 from .ops import DTYPES, ReduceOp
+from .timeline import Timeline, path_for_rank
 from .transport import Subset
 from .transport.shm import SHM_MIN_BYTES
 
@@ -87,6 +88,9 @@ class Engine:
         self._gate = threading.Lock()
         self._last_heard: dict[int, float] = {}
         self._hb_interval = min(1.0, config.timeout_s / 4)
+        self._timeline: Timeline | None = None
+        if config.timeline_path:
+            self._set_timeline(config.timeline_path)
         self._stop_hb = threading.Event()
         if size > 1:
             now = time.monotonic()
@@ -121,8 +125,19 @@ class Engine:
                 self._refuse = ShutdownError("ringflow has been shut down; call init() again")
         self._inbox.put(("stop",))
         self._thread.join(self.config.timeout_s)
+        if self._timeline is not None:
+            self._timeline.close()
         self._stop_hb.set()
         self.transport.close()
+
+    def timeline(self, path: str | None) -> None:
+        """Start writing the timeline to ``path`` (this rank's file), or stop with None."""
+        self._inbox.put(("timeline", path))
+
+    def _set_timeline(self, path: str | None) -> None:
+        if self._timeline is not None:
+            self._timeline.close()
+        self._timeline = Timeline(path_for_rank(path, self.rank), self.rank) if path else None
 
     # callbacks from transport reader threads (must not block) ------------------------------------
     def _on_ctrl(self, src: int, payload: bytes) -> None:
@@ -177,6 +192,8 @@ class Engine:
                 departed.append(item)
             elif kind == "peer":
                 self._on_peer(item[1], item[2])
+            elif kind == "timeline":
+                self._set_timeline(item[1])
             elif kind == "stop":
                 stop = True
         if self._fatal is not None:
@@ -204,6 +221,8 @@ class Engine:
             requests.append(_with_error(req, why))
             return
         self._pending[req.key] = entry
+        if self._timeline is not None:
+            self._timeline.begin(req.name, f"NEGOTIATE_{req.op.upper()}")
         bit = None if req.error else self.cache.lookup(req)
         if bit is None:
             requests.append(req)
@@ -368,6 +387,11 @@ class Engine:
         entries = [self._pending.pop(r.key, None) for r in item.requests]
         for r in item.requests:
             self._submitted.pop(r.key, None)
+        tl = self._timeline
+        traced = [r for r, e in zip(item.requests, entries, strict=True) if e is not None]
+        if tl is not None:
+            for r in traced:
+                tl.end(r.name, f"NEGOTIATE_{r.op.upper()}")
         if item.op == "join":
             entry = self._pending.pop((0, "join"), None)
             if entry is not None:
@@ -383,6 +407,9 @@ class Engine:
             members is not None and self.rank not in members
         ):
             return
+        if tl is not None:
+            for r in traced:
+                tl.begin(r.name, r.op.upper(), fused=len(entries))
         try:
             results = self._collective(item, entries)
         except RingflowError:
@@ -392,6 +419,9 @@ class Engine:
                 if entry is not None:
                     self._pending[req.key] = entry
             raise
+        if tl is not None:
+            for r in traced:
+                tl.end(r.name, r.op.upper())
         self.stats["collectives"] += 1
         self.stats["tensors"] += len(entries)
         for entry, result in zip(entries, results, strict=True):

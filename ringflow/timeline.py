@@ -18,7 +18,7 @@ import os
 import time
 from typing import IO
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "path_for_rank"]
 
 
 class Timeline:

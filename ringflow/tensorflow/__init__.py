@@ -211,15 +211,13 @@ def ccl_built() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Not built yet: set RINGFLOW_TIMELINE_PATH before init() instead."""
-    raise NotImplementedError(
-        "start_timeline() is not supported by ringflow.tensorflow yet; set "
-        "RINGFLOW_TIMELINE_PATH before init() to record a timeline"
-    )
+    """Horovod's ``start_timeline``: see :func:`ringflow.start_timeline`."""
+    _core.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    raise NotImplementedError("stop_timeline() is not supported by ringflow.tensorflow yet")
+    """Horovod's ``stop_timeline``: see :func:`ringflow.stop_timeline`."""
+    _core.stop_timeline()
 
 
 def _resolve_op(op: ReduceOp | int | None, average: bool | None) -> ReduceOp:

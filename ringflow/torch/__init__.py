@@ -25,8 +25,8 @@ Differences from Horovod 0.28 (each one deliberate):
   transport); ``mpi_built()`` is True only when mpi4py imports and loads an MPI library
   (``ringflow.transport.mpi.available()``); ``mpi_enabled()`` is True only when the ``mpi``
   transport is the one in use.
-- ``start_timeline`` / ``stop_timeline`` raise ``RingflowError`` until the core offers run-time
-  timeline control.
+- ``start_timeline`` / ``stop_timeline`` are the core's (:func:`ringflow.start_timeline`): one
+  Chrome-trace file per rank.
 - ``root_rank`` of broadcast operations is a rank within the process set (the global rank for the
   global set).
 """
@@ -57,7 +57,6 @@ from .. import (
     shutdown,
     size,
 )
-from ..errors import RingflowError
 from .compression import Compression
 from .functions import (
     allgather_object,
@@ -227,26 +226,10 @@ def is_homogeneous() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing a Chrome-trace timeline to ``file_path`` (when the core offers it).
-
-    Raises:
-        RingflowError: the core has no runtime timeline control yet.
-    """
-    core = getattr(_rf, "start_timeline", None)
-    if core is None:
-        raise RingflowError(f"start_timeline({file_path!r}): starting a timeline at run time is "
-                            "not built yet; remove the call (no timeline will be written)")
-    core(file_path, mark_cycles)
+    """Horovod's ``start_timeline``: see :func:`ringflow.start_timeline`."""
+    _rf.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Stop the timeline started by :func:`start_timeline`.
-
-    Raises:
-        RingflowError: the core has no runtime timeline control yet.
-    """
-    core = getattr(_rf, "stop_timeline", None)
-    if core is None:
-        raise RingflowError("stop_timeline(): the run-time timeline is not built yet; remove the "
-                            "call")
-    core()
+    """Horovod's ``stop_timeline``: see :func:`ringflow.stop_timeline`."""
+    _rf.stop_timeline()

@@ -85,12 +85,11 @@ def test_local_error_fails_every_rank_without_hang(tmp_path: Path) -> None:
     assert proc.stdout.count("OK 2.0") == 2, proc.stdout
 
 
-def test_optimizer_misuse_raises_horovods_error_types() -> None:
+def test_optimizer_misuse_raises_horovods_error_types(tmp_path) -> None:
     """Single process: the module imports, builds flags are truthful, and bad arguments raise."""
     import torch
 
     import ringflow.torch as hvd
-    from ringflow.errors import RingflowError
 
     hvd.init()
     try:
@@ -102,9 +101,8 @@ def test_optimizer_misuse_raises_horovods_error_types() -> None:
         assert hvd.mpi_enabled() is False and hvd.mpi_threads_supported() is False
         assert not (hvd.ddl_built() or hvd.ccl_built() or hvd.rocm_built() or hvd.cuda_built())
         assert hvd.mpi_built() in (True, False)
-        for call in (lambda: hvd.start_timeline("/tmp/t.json"), hvd.stop_timeline):
-            with pytest.raises(RingflowError, match="timeline"):
-                call()
+        hvd.start_timeline(str(tmp_path / "timeline.json"))  # the core's; its test is elsewhere
+        hvd.stop_timeline()
         with pytest.raises(ValueError, match="named_parameters should be a sequence of tuples"):
             hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=[model.weight, model.bias])
