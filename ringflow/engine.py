@@ -22,6 +22,7 @@ naming it. A heartbeat thread exchanges a small message between each rank and ra
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import pickle
@@ -29,7 +30,6 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -570,8 +570,6 @@ def _scaled(array: np.ndarray, factor: float, dtype: np.dtype) -> np.ndarray:
 
 
 def _with_error(req: Request, why: str) -> Request:
-    import dataclasses
-
     return dataclasses.replace(req, error=why)
 
 
@@ -597,7 +595,3 @@ def _heartbeat(ref: weakref.ReferenceType, stop: threading.Event, interval: floa
         engine.heartbeat()
         engine._inbox.put(("tick",))
         del engine
-
-
-def entries_of(handles: Sequence[Handle]) -> list[Any]:
-    return [h.wait() for h in handles]

@@ -22,7 +22,7 @@ from ringflow.wire import client_handshake, new_secret, recv_frame, send_frame
 
 pytestmark = pytest.mark.timeout(60)
 
-LOGGER = "ringflow.rendezvous"
+LOGGER = "ringflow.rendezvous.tcp"
 HELLO = 4 + 32  # b"RFW1" + the server's nonce
 HEAD = struct.Struct("!BdqI")
 

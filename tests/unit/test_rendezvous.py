@@ -335,7 +335,7 @@ def test_server_close_releases_waiting_client() -> None:
 
 @pytest.fixture(autouse=True)
 def _fresh_secret_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rendezvous, "_SECRETS", {})
+    monkeypatch.setattr(rendezvous.secret, "_SECRETS", {})
 
 
 def test_read_secret_from_fd() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 
@@ -17,11 +16,6 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(params=["loopback", "tcp"])
 def transport(request: pytest.FixtureRequest) -> str:
-    if request.param == "tcp" and (
-        importlib.util.find_spec("ringflow.transport.tcp") is None
-        or importlib.util.find_spec("ringflow.rendezvous") is None
-    ):
-        pytest.skip("ringflow/transport/tcp.py or ringflow/rendezvous.py is not written yet")
     return request.param
 
 
