@@ -22,7 +22,14 @@ __all__ = ["CHUNK_BYTES", "as_bytes", "chunk_elems", "chunk_ranges", "even_split
 #: Largest message of a pipelined collective. 1 MiB is large enough that per-message overhead
 #: (a Python call, a syscall, a header) is small against copying it, and small enough that the
 #: ring's reduce of one chunk overlaps the transfer of the next. A multiple of every itemsize;
-#: tests lower it to exercise multi-chunk pipelines.
+#: tests lower it to exercise multi-chunk pipelines. Measured by benchmarks/tcp_tuning.py (engine
+#: path, loopback, 2 shared cores, medians of 5 runs; benchmarks/RESULTS.md): 64 MiB over TCP on
+#: 4 ranks took 350 / 227 / 214 / 170 / 174 / 258 ms with 256 KiB / 512 KiB / 1 / 2 / 4 / 8 MiB
+#: chunks (1 MiB: all 13 runs of the defaults in that round), but a second round gave 1 / 2 /
+#: 4 MiB 207 / 188 / 168 ms at 64 MiB and 813 / 890 / 711 ms at 256 MiB, inside each other's
+#: run-to-run spread; on the shared-memory path (whose reduce loop uses the same block) 1 MiB was
+#: as fast as or faster than 2 and 4 MiB (4 ranks, 256 MiB: 278 / 304 / 284 ms). Smaller is
+#: clearly slower, larger no clear win: 1 MiB stays.
 CHUNK_BYTES = 1 << 20
 
 

@@ -91,6 +91,7 @@ class _Peer:
         self._sends: collections.deque[tuple[list[memoryview], _Work]] = collections.deque()
         self._send_ready = threading.Condition(threading.Lock())
         self._send_lock = threading.Lock()  # one writer of the socket at a time
+        self._pushing: _Work | None = None  # the send the sender thread is writing, if any
         name = f"ringflow-tcp-{owner.rank}<->{rank}"
         self._reader = threading.Thread(target=self._read_loop, name=name + "-r", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name=name + "-s", daemon=True)
@@ -104,6 +105,9 @@ class _Peer:
         with self._send_ready:
             if self.error is not None:
                 raise self.error
+            # Non-blocking first: at 1 MiB this beat handing every send to the sender thread
+            # (blocking sendmsg, or sendall) by 16-39% (medians of 5 runs, 2 / 4 ranks: 1.1 / 4.1
+            # ms vs 1.6 / 4.9 and 1.8 / 5.7 ms), and tied at 16-256 MiB (benchmarks/RESULTS.md).
             if not self._sends and self._send_lock.acquire(blocking=False):
                 try:
                     bufs = self._push(bufs, socket.MSG_DONTWAIT)
@@ -144,14 +148,20 @@ class _Peer:
                 if self.error is not None:
                     return
                 bufs, work = self._sends[0]
+                # Owned by this thread from now on: fail() must not fail a send whose bytes may
+                # all have been written (a peer that got them may say goodbye before we finish).
+                self._pushing = work
             try:
                 with self._send_lock:
                     self._push(bufs, 0)
             except OSError as exc:
                 self.fail(PeerError(f"sending to rank {self.rank} failed: {exc}"))
+                work.finish(self.error)
                 return
             with self._send_ready:
-                self._sends.popleft()
+                self._pushing = None
+                if self._sends and self._sends[0][1] is work:
+                    self._sends.popleft()
             work.finish()
 
     # receiving ---------------------------------------------------------------------------------
@@ -228,9 +238,13 @@ class _Peer:
             self._recvs.clear()
             self._recv_posted.notify_all()
         with self._send_ready:
-            sends = [w for _, w in self._sends]
+            sends = [w for _, w in self._sends if w is not self._pushing]
             self._sends.clear()
             self._send_ready.notify_all()
+            if self._pushing is not None:
+                # Unblock a write the peer will never read; the sender thread then fails it.
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_WR)
         for work in recvs + sends:
             work.finish(error)
         if not self.owner.closed:
@@ -460,4 +474,8 @@ def create(
 
 
 def _tune(sock: socket.socket) -> None:
+    # Socket buffers stay with the kernel's autotuning: explicit SO_SNDBUF/SO_RCVBUF (which turn
+    # it off) were no faster in benchmarks/tcp_tuning.py (engine path, loopback, medians of 5
+    # runs, 64 MiB on 2 / 4 ranks: auto 103 / 261 ms, 256 KiB 137 / 257, 1 MiB 109 / 232,
+    # 4 MiB 106 / 242 ms; benchmarks/RESULTS.md), and 256 KiB was slower on 2 ranks.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
