@@ -14,7 +14,7 @@
    needs care: it must reach every rank without entering a command line or a world-readable
    place, e.g. created in a private directory of a shared filesystem before ``srun``::
 
-       umask 077; python -c "import secrets; print(secrets.token_hex(32))" > ~/.ringflow/job.key
+       umask 077; openssl rand -hex 32 > ~/.ringflow/job.key
        RINGFLOW_RENDEZVOUS_ADDR=$(scontrol show hostnames | head -n1) \\
        RINGFLOW_RENDEZVOUS_PORT=29400 RINGFLOW_SECRET_FILE=~/.ringflow/job.key \\
        srun -N2 --ntasks-per-node=2 python train.py

@@ -57,6 +57,21 @@ from ringflow import (
     remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
+)
+from ringflow.build import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
 )
 from ringflow.compression import Compressor
 from ringflow.errors import TensorError
@@ -83,6 +98,7 @@ from .mpi_ops import (
 from .sync_batch_norm import SyncBatchNormalization
 
 _plain = tf.autograph.experimental.do_not_convert
+
 
 __all__ = [
     "Adasum",
@@ -156,68 +172,6 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     ps = _core.add_process_set(process_set)
     _SETS[int(ps.process_set_id)] = ps
     return ps
-
-
-def is_homogeneous() -> bool:
-    """True: ringflow-run gives every host the same number of slots unless told otherwise."""
-    return _core.size() % _core.local_size() == 0
-
-
-def mpi_built() -> bool:
-    """True when ringflow can use MPI: mpi4py imports and loads an MPI library."""
-    from ringflow.transport import mpi
-
-    return mpi.available() is not None
-
-
-def mpi_enabled() -> bool:
-    """True when the running job moves data over MPI (the ``mpi`` transport is in use)."""
-    from ringflow.transport import mpi
-
-    return mpi.enabled()
-
-
-def mpi_threads_supported() -> bool:
-    """True whenever the mpi transport is in use (it needs MPI_THREAD_MULTIPLE)."""
-    return mpi_enabled()
-
-
-def nccl_built() -> bool:
-    return False
-
-
-def gloo_built() -> bool:
-    return False
-
-
-def gloo_enabled() -> bool:
-    return False
-
-
-def cuda_built() -> bool:
-    return False
-
-
-def rocm_built() -> bool:
-    return False
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's ``start_timeline``: see :func:`ringflow.start_timeline`."""
-    _core.start_timeline(file_path, mark_cycles)
-
-
-def stop_timeline() -> None:
-    """Horovod's ``stop_timeline``: see :func:`ringflow.stop_timeline`."""
-    _core.stop_timeline()
 
 
 def _resolve_op(op: ReduceOp | int | None, average: bool | None) -> ReduceOp:

@@ -33,8 +33,6 @@ Differences from Horovod 0.28 (each one deliberate):
 
 from __future__ import annotations
 
-import ringflow as _rf
-
 from .. import (
     Adasum,
     Average,
@@ -56,6 +54,21 @@ from .. import (
     remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
+)
+from ..build import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
 )
 from .compression import Compression
 from .functions import (
@@ -166,70 +179,3 @@ __all__ = [
     "stop_timeline",
     "synchronize",
 ]
-
-
-def mpi_built() -> bool:
-    """True when ringflow can use MPI: mpi4py imports and loads an MPI library."""
-    from ..transport import mpi
-
-    return mpi.available() is not None
-
-
-def mpi_enabled() -> bool:
-    """True when the running job moves data over MPI (the ``mpi`` transport is in use)."""
-    from ..transport import mpi
-
-    return mpi.enabled()
-
-
-def mpi_threads_supported() -> bool:
-    """Whether MPI runs with MPI_THREAD_MULTIPLE: True whenever the mpi transport is in use
-    (it refuses to start without it); False when MPI is not in use."""
-    return mpi_enabled()
-
-
-def gloo_built() -> bool:
-    """False: ringflow does not use Gloo; it has its own TCP transport."""
-    return False
-
-
-def gloo_enabled() -> bool:
-    """False: ringflow does not use Gloo; it has its own TCP transport."""
-    return False
-
-
-def nccl_built() -> bool:
-    """False: the NCCL transport is not built yet (CPU tensors only)."""
-    return False
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def cuda_built() -> bool:
-    """False: ringflow.torch moves CPU tensors only for now."""
-    return False
-
-
-def rocm_built() -> bool:
-    return False
-
-
-def is_homogeneous() -> bool:
-    """True when every host runs the same number of ranks (ringflow-run assigns host by host)."""
-    return local_size() * cross_size() == size()
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's ``start_timeline``: see :func:`ringflow.start_timeline`."""
-    _rf.start_timeline(file_path, mark_cycles)
-
-
-def stop_timeline() -> None:
-    """Horovod's ``stop_timeline``: see :func:`ringflow.stop_timeline`."""
-    _rf.stop_timeline()

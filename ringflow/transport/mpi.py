@@ -164,7 +164,7 @@ def unusable_reason() -> str:
 @functools.cache
 def _library_version_subprocess() -> str | None:
     code = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
-            "print(MPI.Get_library_version())")
+            "import sys; sys.stdout.write(MPI.Get_library_version())")
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=30, check=False)

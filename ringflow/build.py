@@ -1,0 +1,72 @@
+"""What this installation and this job can do, under Horovod's ``*_built()`` names.
+
+Both adapters re-export these, so they answer the same everywhere and truthfully for ringflow:
+ringflow moves bytes with its own TCP and shared-memory transports (never Gloo), with MPI when
+mpi4py loads an MPI library, and not yet with NCCL or on GPUs.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "is_homogeneous",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built",
+]
+
+
+def mpi_built() -> bool:
+    """True when ringflow can use MPI: mpi4py imports and loads an MPI library."""
+    from .transport import mpi
+
+    return mpi.available() is not None
+
+
+def mpi_enabled() -> bool:
+    """True when the running job moves data over MPI (the ``mpi`` transport is in use)."""
+    from .transport import mpi
+
+    return mpi.enabled()
+
+
+def mpi_threads_supported() -> bool:
+    """True whenever the mpi transport is in use: it refuses to start without
+    MPI_THREAD_MULTIPLE."""
+    return mpi_enabled()
+
+
+def gloo_built() -> bool:
+    """False: ringflow has its own TCP transport and does not use Gloo."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: ringflow has its own TCP transport and does not use Gloo."""
+    return False
+
+
+def nccl_built() -> bool:
+    """False: the NCCL transport is not wired in yet (CPU tensors only)."""
+    return False
+
+
+def cuda_built() -> bool:
+    """False: GPU tensors are not supported yet."""
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks."""
+    from . import cross_size, local_size, size
+
+    return local_size() * cross_size() == size()
