@@ -42,7 +42,6 @@ from .negotiation import CachedAllreduce, Coordinator, Request, Response, Respon
 from .ops import DTYPES, ReduceOp
 from .timeline import Timeline, path_for_rank
 from .transport import Subset
-from .transport.shm import SHM_MIN_BYTES
 
 __all__ = ["Engine", "Entry"]
 
@@ -462,8 +461,8 @@ class Engine:
         reduce_op = ReduceOp(ref.reduce_op)
         sizes = [math.prod(r.shape) for r in refs]
         total = sum(sizes)
-        # Same-host jobs reduce large buffers in shared memory (transport/shm.py).
-        shm = getattr(t, "shm", None) if total * wire.itemsize >= SHM_MIN_BYTES else None
+        # The ranks of one host reduce in shared memory (transport/shm.py), at every size.
+        shm = getattr(t, "shm", None)
         e0 = entries[0]
         if len(refs) == 1 and e0 is not None and e0.array is not None and e0.array.dtype == wire:
             out = _output(e0, ref)
