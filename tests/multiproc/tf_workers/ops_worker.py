@@ -105,8 +105,15 @@ def broadcast(wrap, mode) -> None:
 
 
 def alltoall(wrap, mode) -> None:
-    # Each rank sends 2 rows to every rank. (Uneven splits that differ between ranks hit a core
-    # bug, reported separately: the engine uses the coordinator's splits on every rank.)
+    # Uneven splits that differ between ranks: rank q sends q + d + 1 rows of 100q + d to rank d.
+    splits = [r + d + 1 for d in range(n)]
+    x = tf.constant(np.concatenate([np.full((s, 1), 100.0 * r + d, np.float32)
+                                    for d, s in enumerate(splits)]))
+    out, received = wrap(lambda x: hvd.alltoall(x, splits=splits))(x)
+    want = np.concatenate([np.full((q + r + 1, 1), 100.0 * q + r, np.float32) for q in range(n)])
+    close(f"alltoall uneven {mode}", out, want)
+    close(f"alltoall uneven received splits {mode}", received, [q + r + 1 for q in range(n)])
+    # Each rank sends 2 rows to every rank.
     x = tf.reshape(tf.range(2 * n, dtype=tf.float32) + 100 * r, [2 * n, 1])
     got = wrap(lambda x: hvd.alltoall(x))(x)
     want = np.concatenate([100 * q + np.arange(2 * r, 2 * r + 2) for q in range(n)])[:, None]
