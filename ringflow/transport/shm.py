@@ -273,8 +273,11 @@ def create(rank: int, size: int, store: Any, config: Any, prefix: str = "",
         )
     host, local_rank = divmod(rank, local_size)
     link = tcp.create(rank, size, store, config, prefix, secret)
+    # Barriers wait for this host's ranks only: another host's rank that finished and left is
+    # not a reason to fail them.
+    local = range(host * local_size, (host + 1) * local_size)
     shm = ShmAllreduce(local_rank, local_size, store, f"{prefix}host{host}/",
-                       float(config.timeout_s), link.check_peers)
+                       float(config.timeout_s), lambda: link.check_peers(local))
     if size > local_size:
         shm.cross = Subset(link, list(range(local_rank, size, local_size)))
     return ShmTransport(link, shm)

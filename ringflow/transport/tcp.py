@@ -31,7 +31,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .. import wire
 from ..errors import (
@@ -323,10 +323,13 @@ class TcpTransport:
             if peer.error is not None:
                 on_failure(peer.rank, peer.error)
 
-    def check_peers(self) -> None:
-        """Raise the error of the first peer found broken, if any (cheap; no I/O)."""
-        for peer in self._peers.values():
-            if peer.error is not None:
+    def check_peers(self, ranks: Iterable[int] | None = None) -> None:
+        """Raise the error of the first of ``ranks`` (default: every peer) found broken or gone,
+        if any (cheap; no I/O). Pass the ranks being waited for: a peer that finished and said
+        goodbye is not a failure for a wait that does not involve it."""
+        for rank in self._peers if ranks is None else ranks:
+            peer = self._peers.get(rank)
+            if peer is not None and peer.error is not None:
                 raise peer.error
 
     def _deliver_ctrl(self, src: int, payload: bytes) -> None:

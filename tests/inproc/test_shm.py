@@ -159,3 +159,22 @@ def test_a_dead_peer_ends_the_barrier_wait():
         return "failed"
 
     assert _ranks(2, 2, body, timeout=20.0)[0] == "failed"
+
+
+def test_a_rank_of_another_host_leaving_does_not_fail_a_local_barrier():
+    """2 hosts x 2 ranks: rank 3 (host 1) says goodbye while rank 1 waits in host 0's barrier
+    for a slow rank 0. Only the ranks being waited for may fail the wait."""
+    import time
+
+    def body(rank: int, link):
+        if rank == 3:
+            link.tcp.close(linger=0)
+            return "left"
+        if rank == 2:
+            return "idle"
+        if rank == 0:
+            time.sleep(1.0)  # rank 3's goodbye reaches rank 1 while it waits here
+        link.shm.barrier()
+        return "passed"
+
+    assert _ranks(4, 2, body, timeout=20.0) == ["passed", "passed", "idle", "left"]
