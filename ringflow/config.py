@@ -35,7 +35,9 @@ _MIB = 1024 * 1024
 class Config:
     #: Largest fused buffer; 0 disables fusion. Horovod's default, 128 MiB.
     fusion_threshold_bytes: int = 128 * _MIB
-    #: How often an idle engine wakes up to look at its queue and the stall inspector.
+    #: While operations are pending, the longest the engine sleeps before it looks at its queue,
+    #: heartbeats and the stall inspector again (it also wakes on every enqueue and message;
+    #: an idle engine sleeps until one arrives or the heartbeat, ``min(1 s, timeout_s / 4)``).
     cycle_time_ms: float = 1.0
     #: Response-cache entries; 0 disables the cache (every op takes the slow path).
     cache_capacity: int = 1024
