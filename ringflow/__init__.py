@@ -256,7 +256,7 @@ def _submit(op: str, array: Any, name: str | None, process_set: ProcessSet, out:
     if not error:
         error = _check_op(op, arr, name, process_set.size(), fields)
     request = Request(
-        name=name, op=op, dtype="" if arr is None else arr.dtype.name,
+        name=name, op=op, dtype="" if arr is None else _ops.dtype_name(arr.dtype),
         shape=() if arr is None else tuple(arr.shape), process_set=ps, error=error, **fields,
     )
     return engine.enqueue(request, arr, out)

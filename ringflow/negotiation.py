@@ -22,11 +22,19 @@ identical on every rank without any message about them. A rank whose request for
 unchanged sends only the bit; a plan item of cached allreduces is only their bits. Bits are never
 reassigned (a full cache just stops caching new names), so a bit in flight always means the name
 it meant when it was sent.
+
+Small tensors (eager path): with the bit of an allreduce of at most ``EAGER_BYTES`` a rank also
+sends the tensor (prescaled, in its wire dtype). When a cached allreduce is ready and every member
+sent its data, the coordinator reduces it on the spot, in rank order
+(:func:`~ringflow.algorithms.local.reduce_parts`, the same arithmetic as the shared-memory path),
+fused with other such tensors up to ``EAGER_BYTES``, and the plan item carries the result: the
+whole allreduce costs one round trip to rank 0 instead of a round trip plus a collective.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -34,8 +42,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .algorithms.local import reduce_parts
 from .compression import Compression
-from .ops import DTYPES
+from .ops import DTYPES, ReduceOp
 
 __all__ = ["CachedAllreduce", "Coordinator", "Request", "Response", "ResponseCache"]
 
@@ -43,9 +52,18 @@ log = logging.getLogger(__name__)
 
 Key = tuple[int, str]  # (process set id, tensor name)
 
+#: Largest allreduce (per tensor, and per fused plan item) that travels to the coordinator with
+#: its cache bit and comes back reduced in the plan. See benchmarks/engine_latency.py.
+EAGER_BYTES = 64 * 1024
+
 _CACHEABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter"})
 # Ops that may proceed while some ranks have joined: the joined ranks contribute nothing.
 _JOINABLE = frozenset({"allreduce", "allgather", "barrier"})
+
+
+@functools.cache
+def _wire_dtype(compression: str, dtype: str) -> np.dtype:
+    return Compression.by_name(compression).wire_dtype(DTYPES[dtype])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +97,7 @@ class Request:
 
     @property
     def wire_dtype(self) -> np.dtype:
-        return Compression.by_name(self.compression).wire_dtype(DTYPES[self.dtype])
+        return _wire_dtype(self.compression, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +120,11 @@ class Response:
 
 @dataclasses.dataclass(frozen=True)
 class CachedAllreduce:
-    """A plan item of fused allreduces that every rank has cached: only their bits travel."""
+    """A plan item of fused allreduces that every rank has cached: only their bits travel, and,
+    for small tensors the coordinator reduced itself, the fused result (wire dtype)."""
 
     bits: tuple[int, ...]
+    result: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
 
 class ResponseCache:
@@ -166,16 +186,21 @@ class Coordinator:
         self.first_seen: dict[Key, float] = {}
         self.warned: set[Key] = set()
         self.known: dict[Key, dict[int, Request]] = {}  # per-rank requests of cached names
+        self.payload: dict[Key, dict[int, np.ndarray]] = {}  # eager data sent with bits
         self.joined: list[int] = []
         self.gone: dict[int, str] = {}
         self.next_set_id = 1
         self.stats = {"negotiated": 0, "cache_hits": 0, "plans": 0, "fused_items": 0}
 
     # input -------------------------------------------------------------------------------------
-    def submit(self, rank: int, requests: Sequence[Request], bits: Sequence[int]) -> None:
-        for bit in bits:
+    def submit(self, rank: int, requests: Sequence[Request], bits: Sequence[int],
+               data: Sequence[np.ndarray | None] = ()) -> None:
+        """``data[i]``, if given and not None, is the tensor of ``bits[i]`` (eager path)."""
+        for i, bit in enumerate(bits):
             key = self.cache.key_of[bit]
             self._add(rank, self.known[key][rank], via_bit=True)
+            if i < len(data) and data[i] is not None:
+                self.payload.setdefault(key, {})[rank] = data[i]
         for req in requests:
             if req.op == "join":
                 if rank not in self.joined:
@@ -219,22 +244,26 @@ class Coordinator:
             if len(keys) >= size:
                 ready.extend((k, self.table[k]) for k in keys)
         items: list[Response | CachedAllreduce] = []
-        fusable: dict[tuple, list[tuple[Response, bool]]] = {}
+        fusable: dict[tuple, list[tuple[Response, dict[int, np.ndarray] | None]]] = {}
         for key, slot in ready:
             del self.table[key]
             self.first_seen.pop(key, None)
             self.warned.discard(key)
+            payload = self.payload.pop(key, None)
             cached = self.via_bits.pop(key, set()) >= set(slot) and bool(slot)
             item = self._respond(key, slot, cached)
             if item.error or item.op not in ("allreduce", "allgather"):
                 items.append(item)
                 continue
             ref = item.requests[0]
+            cached_allreduce = cached and item.op == "allreduce"
+            eager = (cached_allreduce and not item.joined and payload is not None
+                     and len(payload) == len(slot))
             fkey = (item.op, key[0], ref.wire_dtype, ref.reduce_op, ref.prescale,
-                    ref.postscale, ref.device, item.joined, cached and item.op == "allreduce")
-            fusable.setdefault(fkey, []).append((item, cached))
+                    ref.postscale, ref.device, item.joined, cached_allreduce, eager)
+            fusable.setdefault(fkey, []).append((item, payload if eager else None))
         for fkey, members in fusable.items():
-            items.extend(self._fuse(fkey[0], fkey[-1], [m for m, _ in members]))
+            items.extend(self._fuse(fkey[0], fkey[-2], members))
         if self._all_joined():
             items.append(Response("join", 0, (), value=self.joined[-1]))
             self.joined = []
@@ -289,10 +318,14 @@ class Coordinator:
         return Response(first.op, key[0], (first,), joined=joined)
 
     def _fuse(
-        self, op: str, cached: bool, items: list[Response]
+        self, op: str, cached: bool,
+        items: list[tuple[Response, dict[int, np.ndarray] | None]],
     ) -> list[Response | CachedAllreduce]:
         out: list[Response | CachedAllreduce] = []
         batch: list[Response] = []
+        data: list[dict[int, np.ndarray]] = []
+        eager = items[0][1] is not None  # the same for every item: it is part of the fusion key
+        limit = min(self.fusion_threshold, EAGER_BYTES) if eager else self.fusion_threshold
         total = 0
 
         def flush() -> None:
@@ -301,8 +334,9 @@ class Coordinator:
             if len(batch) > 1:
                 self.stats["fused_items"] += 1
             if cached:
-                out.append(CachedAllreduce(tuple(self.cache.bit_of[b.requests[0].key]
-                                                 for b in batch)))
+                bits = tuple(self.cache.bit_of[b.requests[0].key] for b in batch)
+                out.append(CachedAllreduce(bits, _reduce(batch[0].requests[0], data)
+                                           if eager else None))
             else:
                 out.append(dataclasses.replace(
                     batch[0],
@@ -310,15 +344,18 @@ class Coordinator:
                     first_dims=tuple(d for b in batch for d in b.first_dims),
                 ))
             batch.clear()
+            data.clear()
 
-        for item in items:
+        for item, payload in items:
             nbytes = item.requests[0].nbytes
             if op == "allgather":
                 nbytes = nbytes // max(item.requests[0].shape[0], 1) * sum(item.first_dims[0])
-            if batch and (self.fusion_threshold == 0 or total + nbytes > self.fusion_threshold):
+            if batch and (limit == 0 or total + nbytes > limit):
                 flush()
                 total = 0
             batch.append(item)
+            if payload is not None:
+                data.append(payload)
             total += nbytes
         flush()
         return out
@@ -376,6 +413,16 @@ def validate(name: str, slot: dict[int, Request]) -> tuple[str, str] | None:
                         "issuing collectives in different orders pair them correctly)")
             return "MismatchError", f"ranks disagree on {field} of tensor {name!r}: {parts}{hint}"
     return None
+
+
+def _reduce(ref: Request, data: list[dict[int, np.ndarray]]) -> np.ndarray:
+    """The eager result: each tensor's contributions reduced in rank order, fused, scaled once."""
+    ranks = sorted(data[0])
+    parts = [data[0][r] if len(data) == 1 else np.concatenate([d[r] for d in data])
+             for r in ranks]
+    result = np.empty(parts[0].size, ref.wire_dtype)
+    reduce_parts(parts, 0, result.size, result, ReduceOp(ref.reduce_op), ref.postscale)
+    return result
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -7,8 +7,8 @@ Each tensor gets its own row (``tid``) under the process ``ringflow rank r``. Fo
   with ``args.fused`` = how many tensors shared the collective.
 
 Events are appended as they happen (one JSON object per line inside a JSON array, flushed each
-time), so a trace of a job that crashed is still readable up to the crash. The file is written by
-the engine thread only; nothing here takes a lock.
+time), so a trace of a job that crashed is still readable up to the crash. The engine calls it
+only under its control lock; nothing here takes a lock.
 """
 
 from __future__ import annotations

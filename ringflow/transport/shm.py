@@ -27,11 +27,13 @@ into share ``r`` before barrier 4. Each host thus sends ``2 (H-1)/H * B`` bytes 
 total -- the host-level ring bound -- instead of the rank-level ``2 (N-1)/N * B`` per rank.
 
 Barriers: each rank bumps its flag word to the operation's epoch and waits until every flag has
-reached it, sleeping progressively longer while it waits. Every few milliseconds the wait checks
-the TCP transport for a failed peer and the deadline (``timeout_s``), so a dead or frozen rank
-ends the wait with the same errors as on the TCP path. Every size takes this path: even at 4 KiB
-two flag barriers beat the TCP ring's socket exchanges and thread hand-offs (engine path, 2 / 4
-ranks, two runs each: 0.50-0.85 / 1.3-1.6 ms against 0.87-1.12 / 2.5-2.8 ms over TCP).
+reached it, polling (with ``sched_yield``) for up to 200 us, then sleeping progressively longer.
+Every few milliseconds the wait checks the TCP transport for a failed peer and the deadline
+(``timeout_s``), so a dead or frozen rank ends the wait with the same errors as on the TCP path.
+Every size takes this path: even at 4 KiB two flag barriers beat the TCP ring's socket exchanges
+and thread hand-offs (engine path, 2 / 4 ranks, two runs each: 0.50-0.85 / 1.3-1.6 ms against
+0.87-1.12 / 2.5-2.8 ms over TCP). Allreduces of at most ``negotiation.EAGER_BYTES`` that the
+response cache knows never get here: the coordinator reduces them (see :mod:`ringflow.engine`).
 """
 
 from __future__ import annotations
@@ -47,15 +49,19 @@ from typing import Any
 import numpy as np
 
 from .. import algorithms
-from ..algorithms.buffers import chunk_elems, chunk_ranges, even_split
-from ..errors import ConfigError, RingflowTimeoutError, TensorError
-from ..ops import ReduceOp, check_dtype, is_float16ish, ufunc
+from ..algorithms.buffers import even_split
+from ..algorithms.local import reduce_parts
+from ..errors import ConfigError, RingflowTimeoutError
+from ..ops import ReduceOp, check_dtype
 
 __all__ = ["ShmAllreduce", "ShmTransport", "create"]
 
 _SHM_DIR = "/dev/shm"
 _FLAG_BYTES = 64  # one cache line per flag word: no false sharing between ranks
 _ALIGN = 4096
+# A barrier polls without sleeping for this long before it naps: the shortest sleep on this
+# machine lasts ~80 us (timer slack), longer than a typical wait for a peer.
+_SPIN_S = 200e-6
 
 
 def available() -> bool:
@@ -145,9 +151,12 @@ class ShmAllreduce:
         while True:
             if all(w[0] >= epoch for w in words):
                 return
+            now = time.monotonic()
+            if now - start < _SPIN_S:
+                os.sched_yield()  # releases the GIL; gives the core away if anyone else needs it
+                continue
             time.sleep(nap)
             nap = min(nap * 2 or 1e-6, 1e-3)
-            now = time.monotonic()
             if now - check > 0.005:
                 check = now
                 self._check_peers()
@@ -194,11 +203,11 @@ class ShmAllreduce:
         lo, hi = even_split(n, self.size)[self.rank]
         share = halves[self.rank]
         if self.cross is None:
-            _reduce_share(halves, lo, hi, share, op, postscale, self.size)
+            reduce_parts(halves, lo, hi, share, op, postscale)
         else:
             # This host's partial result, unscaled; the ring across hosts scales it once.
             local = ReduceOp.SUM if op == ReduceOp.AVERAGE else op
-            _reduce_share(halves, lo, hi, share, local, 1.0, self.size)
+            reduce_parts(halves, lo, hi, share, local, 1.0)
             total = self.size * self.cross.size
             factor = postscale / total if op == ReduceOp.AVERAGE else postscale
             algorithms.allreduce(self.cross, share[lo:hi], local, factor)
@@ -212,31 +221,6 @@ class ShmAllreduce:
         for seg in self._segs + self._flags:
             seg.close()
         self._segs = []
-
-
-def _reduce_share(parts: list[np.ndarray], lo: int, hi: int, dst: np.ndarray, op: ReduceOp,
-                  postscale: float, n: int) -> None:
-    """``dst[lo:hi] = parts[0] (op) parts[1] (op) ... `` in rank order, then scaled once."""
-    dtype = dst.dtype
-    combine = ufunc(op)
-    factor = postscale / n if op == ReduceOp.AVERAGE else postscale
-    if dtype == np.bool_ and (op == ReduceOp.AVERAGE or postscale != 1.0):
-        raise TensorError("a bool tensor cannot be averaged or scaled; use Sum, Min, Max or "
-                          "Product, or cast it to a numeric dtype")
-    wide = is_float16ish(dtype) or (dtype.kind in "iu" and factor != 1.0)
-    acc_dtype = (np.float32 if is_float16ish(dtype) else np.float64) if wide else dtype
-    per = chunk_elems(8)
-    acc = np.empty(min(per, max(hi - lo, 1)), acc_dtype)
-    for a, b in chunk_ranges(lo, hi, per):
-        tmp = acc[: b - a]
-        np.copyto(tmp, parts[0][a:b], casting="unsafe")
-        for part in parts[1:]:
-            combine(tmp, part[a:b], out=tmp, casting="unsafe")
-        if factor != 1.0:
-            np.multiply(tmp, factor, out=tmp, casting="unsafe")
-            if dtype.kind in "iu":
-                np.trunc(tmp, out=tmp)  # toward zero, like C's static_cast
-        np.copyto(dst[a:b], tmp, casting="unsafe")
 
 
 class ShmTransport:

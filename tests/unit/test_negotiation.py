@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
 from ringflow.negotiation import (
+    EAGER_BYTES,
     CachedAllreduce,
     Coordinator,
     Request,
@@ -182,6 +184,52 @@ def test_cached_names_take_the_fast_path() -> None:
     (item,) = c.plan()
     assert item == CachedAllreduce((0, 1, 2, 3))
     assert c.stats["cache_hits"] == 4 and c.stats["negotiated"] == 4
+
+
+def cached_coordinator(reqs: list[Request], **kwargs: object) -> tuple[Coordinator, list[int]]:
+    c = coordinator(**kwargs)
+    for item in submit_all(c, reqs):
+        c.cache.record(item, {r.key: r for r in reqs}.get)
+    return c, [c.cache.lookup(r) for r in reqs]
+
+
+def test_small_cached_allreduces_sent_with_data_are_reduced_by_the_coordinator() -> None:
+    reqs = [ar("e0", 3), ar("e1", 2)]
+    c, bits = cached_coordinator(reqs)
+    for rank in range(3):
+        data = [np.full(3, rank + 1.0, np.float32), np.full(2, 10.0 * rank, np.float32)]
+        c.submit(rank, [], bits, data)
+    (item,) = c.plan()
+    assert item == CachedAllreduce((0, 1)) and item.result.dtype == np.float32
+    assert item.result.tolist() == [6.0, 6.0, 6.0, 30.0, 30.0]  # fused: e0 then e1
+    assert not c.payload
+
+
+def test_eager_average_and_postscale_are_applied_once_in_rank_order() -> None:
+    reqs = [ar("a", 2, reduce_op=0, postscale=2.0), ar("i", 1, dtype="int32", postscale=0.5)]
+    c, bits = cached_coordinator(reqs)
+    for rank in range(3):
+        c.submit(rank, [], bits, [np.full(2, rank, np.float32), np.full(1, rank + 1, np.int32)])
+    items = c.plan()
+    got = {it.bits: it.result.tolist() for it in items}
+    assert got == {(0,): [2.0, 2.0], (1,): [3]}  # mean 1 x 2; ints: 6 x 0.5 in float64
+
+
+def test_eager_needs_data_from_every_member_and_respects_its_size_limit() -> None:
+    n = EAGER_BYTES // 4
+    reqs = [ar("m"), ar("big1", n), ar("big2", n)]
+    c, bits = cached_coordinator(reqs)
+    for rank in range(3):
+        data = [None if rank == 2 else np.ones(4, np.float32)]  # rank 2 sends only the bit
+        c.submit(rank, [], bits[:1], data)
+    (item,) = c.plan()
+    assert item == CachedAllreduce((0,)) and item.result is None  # the data plane runs it
+    for rank in range(3):
+        c.submit(rank, [], bits[1:], [np.ones(n, np.float32)] * 2)
+    items = c.plan()
+    # Each fits alone; together they exceed EAGER_BYTES: two eager items, not one.
+    assert [it.bits for it in items] == [(1,), (2,)]
+    assert all(it.result.tolist() == [3.0] * n for it in items)
 
 
 def test_a_stall_names_the_tensor_and_the_missing_ranks() -> None:

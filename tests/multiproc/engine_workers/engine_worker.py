@@ -7,6 +7,7 @@ fails exits non-zero with a message naming the rank and what differed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -175,12 +176,11 @@ def local_errors(r: int, n: int) -> dict[str, Any]:
     rf.allreduce(x, name="l.after2")
     out["bool"] = failure(rf.allreduce, np.ones(3, bool), name="l.bool", op=rf.Average)
     out["root"] = failure(rf.broadcast, x, n, name="l.root")
+    # A name submitted again while in flight: that call fails on its rank; the first goes on.
+    h1 = rf.allreduce_async(np.full(4, r + 1.0), name="l.dup", op=rf.Sum)
     if r == 0:
-        h1 = rf.allreduce_async(x, name="l.dup")
         out["dup_second"] = wait_failure(rf.allreduce_async(x, name="l.dup"))
-        out["dup"] = wait_failure(h1)
-    else:
-        out["dup"] = wait_failure(rf.allreduce_async(x, name="l.dup"))
+    out["dup"] = h1.wait(30).tolist()
     got = rf.allreduce(np.full(4, r + 1.0), name="l.after3", op=rf.Sum)
     check(np.array_equal(got, np.full(4, float(tri(n)))), f"op after local errors: {got}")
     return out
@@ -255,28 +255,89 @@ def dtypes_ops(r: int, n: int) -> dict[str, Any]:
             for length in (0, 1, 7, 1001):
                 x = np.full(length, value, dtype)
                 name = f"d.{dtype.name}.{op.name}.{length}"
-                got = rf.allreduce(x, name=name, op=op)
                 exp = np.full(length, want).astype(dtype)
-                check(got.dtype == dtype and got.shape == (length,) and np.array_equal(got, exp),
-                      f"{name}: got {got[:3]}, expected {exp[:3]}")
+                # Twice: negotiated (a data-plane collective), then cached (rank 0 reduces it).
+                for attempt in ("negotiated", "cached"):
+                    got = rf.allreduce(x, name=name, op=op)
+                    check(got.dtype == dtype and got.shape == (length,)
+                          and np.array_equal(got, exp),
+                          f"{name} ({attempt}): got {got[:3]}, expected {exp[:3]}")
                 checked += 1
     for comp in (Compression.fp16, Compression.bf16):
         for dtype in (np.float32, np.float64):
             x = np.arange(33, dtype=dtype) * (r + 1)  # small integers: exact in 16 bits
-            got = rf.allreduce(x, name=f"c.{comp.name}.{np.dtype(dtype).name}", op=rf.Sum,
-                               compression=comp)
-            check(got.dtype == dtype and np.array_equal(got, np.arange(33, dtype=dtype) * tri(n)),
-                  f"{comp.name} round trip of {np.dtype(dtype).name}: {got[:4]}")
+            for _ in range(2):  # negotiated, then cached
+                got = rf.allreduce(x, name=f"c.{comp.name}.{np.dtype(dtype).name}", op=rf.Sum,
+                                   compression=comp)
+                check(got.dtype == dtype
+                      and np.array_equal(got, np.arange(33, dtype=dtype) * tri(n)),
+                      f"{comp.name} round trip of {np.dtype(dtype).name}: {got[:4]}")
             checked += 1
         got = rf.allgather(np.full(2, r + 0.5, np.float32), name=f"c.{comp.name}.gather")
         check(got.tolist() == [q + 0.5 for q in range(n) for _ in range(2)], f"gather: {got}")
     # fp16 overflow: every rank 40000 (< 65504), sum 160000 would overflow float16 mid-ring.
     for label, x, comp in (("fp16 wire", np.full(9, 40000.0, np.float32), Compression.fp16),
                            ("float16", np.full(9, 40000.0, np.float16), Compression.none)):
-        got = rf.allreduce(x, name=f"o.{label}", op=rf.Average, compression=comp)
-        check(np.array_equal(got, np.full(9, 40000.0)), f"{label} average of 40000: {got[:3]}")
+        for _ in range(2):  # negotiated, then cached
+            got = rf.allreduce(x, name=f"o.{label}", op=rf.Average, compression=comp)
+            check(np.array_equal(got, np.full(9, 40000.0)), f"{label} average of 40000: {got[:3]}")
         checked += 1
-    return {"checked": checked}
+    return {"checked": checked, "eager": rf.stats()["eager"]}
+
+
+def eager(r: int, n: int) -> dict[str, Any]:
+    """Small cached allreduces that rank 0 reduces itself: the same bits as the data plane.
+
+    Random inputs (fixed seeds), every rank computes every rank's input, so the closed form is a
+    numpy sum in rank order. Each name runs negotiated (a data-plane collective) and then cached
+    (eager when small): the two results must be bitwise equal, on every rank.
+    """
+    from ringflow.negotiation import EAGER_BYTES
+
+    cases = []  # (name, dtype, length, op, prescale, postscale, compression)
+    for dtype in (np.float32, np.float64, np.float16, np.int32):
+        for length in (0, 1, 5, 1001, EAGER_BYTES // np.dtype(dtype).itemsize,
+                       EAGER_BYTES // np.dtype(dtype).itemsize + 1):
+            cases.append((dtype, length, rf.Sum, 1.0, 1.0, Compression.none))
+        cases.append((dtype, 333, rf.Average, 1.0, 1.0, Compression.none))
+        cases.append((dtype, 333, rf.Sum, 0.5, 3.0, Compression.none))
+    cases.append((np.float32, 777, rf.Average, 2.0, 1.0, Compression.fp16))
+    cases.append((np.float64, 777, rf.Sum, 1.0, 0.25, Compression.bf16))
+
+    def inputs(rank: int, i: int, dtype: Any, length: int) -> np.ndarray:
+        rng = np.random.default_rng(7919 * i + rank)
+        if np.dtype(dtype).kind == "i":
+            return rng.integers(-1000, 1000, length).astype(dtype)
+        return rng.standard_normal(length).astype(dtype)
+
+    results: dict[str, list] = {}
+    for attempt in ("negotiated", "cached"):
+        # Async, all at once: the cached round fuses them (eager items up to EAGER_BYTES).
+        handles = []
+        for i, (dtype, length, op, pre, post, comp) in enumerate(cases):
+            handles.append(rf.allreduce_async(inputs(r, i, dtype, length), name=f"e.{i}", op=op,
+                                              prescale_factor=pre, postscale_factor=post,
+                                              compression=comp))
+        for i, (h, (dtype, length, op, pre, post, comp)) in enumerate(
+                zip(handles, cases, strict=True)):
+            got = h.wait(60)
+            parts = [inputs(q, i, dtype, length).astype(np.float64) * pre for q in range(n)]
+            if np.dtype(dtype).kind == "i":
+                parts = [np.trunc(p) for p in parts]  # the prescaled input is cast back to int
+            want = np.sum(parts, axis=0) * post / (n if op == rf.Average else 1)
+            loose = np.dtype(dtype) == np.float16 or comp is not Compression.none
+            tol = 2e-2 if loose else 1e-5
+            if np.dtype(dtype).kind == "i":
+                want = np.trunc(want)
+            check(got.dtype == np.dtype(dtype) and got.shape == (length,)
+                  and np.allclose(got.astype(np.float64), want, rtol=tol, atol=tol * n),
+                  f"e.{i} ({attempt}): got {got[:3]}, expected {want[:3]}")
+            if attempt == "cached":
+                check(got.tobytes() == results[f"e.{i}"], f"e.{i}: cached result differs in bits")
+            else:
+                results[f"e.{i}"] = got.tobytes()
+    return {"digest": sorted((k, hashlib.sha256(v).hexdigest()) for k, v in results.items()),
+            "eager": rf.stats()["eager"], "cases": len(cases)}
 
 
 # failures ----------------------------------------------------------------------------------------
@@ -346,7 +407,7 @@ def stall(r: int, n: int) -> dict[str, Any]:
 SCENARIOS = {
     "random_order": random_order, "fusion": fusion, "mismatch": mismatch,
     "local_errors": local_errors, "process_sets": process_sets, "join": join,
-    "dtypes_ops": dtypes_ops, "shutdown_pending": shutdown_pending,
+    "dtypes_ops": dtypes_ops, "eager": eager, "shutdown_pending": shutdown_pending,
     "shutdown_early": shutdown_early, "stall": stall,
 }
 NEEDS_DIR = {"peer_exit": peer_exit, "peer_exit_midop": peer_exit_midop,
