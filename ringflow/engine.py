@@ -175,7 +175,10 @@ class Engine:
                 self._inbox.put(("enqueue", entry))
             else:
                 entry.handle._spin = _LONE_SPIN_S  # see Handle
-                self._submit_entries([entry])  # idle: no reason to wake another thread
+                try:
+                    self._submit_entries([entry])  # idle: no reason to wake another thread
+                except Exception as exc:  # the engine thread fails the job (and this entry)
+                    self._inbox.put(("error", exc))
         return entry.handle
 
     def shutdown(self) -> None:

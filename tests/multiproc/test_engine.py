@@ -197,6 +197,11 @@ def test_every_dtype_and_op_and_compression(tmp_path: Path) -> None:
     assert all(res["eager"] > 50 for res in results.values()), results
 
 
+def test_a_done_callback_may_submit_the_next_op(tmp_path: Path) -> None:
+    results = launch("callbacks", 3, tmp_path)
+    assert sorted(results) == [0, 1, 2]
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_small_cached_allreduces_reduced_by_the_coordinator_match_the_data_plane(
     tmp_path: Path, n: int

@@ -285,6 +285,22 @@ def dtypes_ops(r: int, n: int) -> dict[str, Any]:
     return {"checked": checked, "eager": rf.stats()["eager"]}
 
 
+def callbacks(r: int, n: int) -> dict[str, Any]:
+    """A done-callback may submit the next op (callbacks run outside the engine's lock)."""
+    chained: list[rf.Handle] = []
+    first = rf.allreduce_async(np.full(3, r + 1.0), name="cb.first", op=rf.Sum)
+    first.add_done_callback(lambda h: chained.append(
+        rf.allreduce_async(h.wait() * 2, name="cb.second", op=rf.Sum)))
+    first.wait(30)
+    end = time.monotonic() + 10
+    while not chained and time.monotonic() < end:
+        time.sleep(0.001)
+    check(len(chained) == 1, "the callback did not run")
+    got = chained[0].wait(30)
+    check(np.array_equal(got, np.full(3, 2.0 * tri(n) * n)), f"chained: {got}")
+    return {"ok": True}
+
+
 def eager(r: int, n: int) -> dict[str, Any]:
     """Small cached allreduces that rank 0 reduces itself: the same bits as the data plane.
 
@@ -407,7 +423,8 @@ def stall(r: int, n: int) -> dict[str, Any]:
 SCENARIOS = {
     "random_order": random_order, "fusion": fusion, "mismatch": mismatch,
     "local_errors": local_errors, "process_sets": process_sets, "join": join,
-    "dtypes_ops": dtypes_ops, "eager": eager, "shutdown_pending": shutdown_pending,
+    "dtypes_ops": dtypes_ops, "eager": eager, "callbacks": callbacks,
+    "shutdown_pending": shutdown_pending,
     "shutdown_early": shutdown_early, "stall": stall,
 }
 NEEDS_DIR = {"peer_exit": peer_exit, "peer_exit_midop": peer_exit_midop,
