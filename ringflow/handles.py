@@ -24,7 +24,7 @@ class Handle:
         self.name = name
         # Seconds wait() polls before it sleeps. The engine sets it for an operation submitted
         # while it was idle: then the answer usually comes within ~100 us, and a sleeping thread
-        # takes ~35 us to wake on this machine (polling: 4 KiB allreduce p50 0.15-0.19 ms
+        # takes ~35 us to wake on this machine (polling: 4 KiB allreduce p50 0.13-0.19 ms
         # instead of 0.25, 2 ranks, benchmarks/engine_latency.py). Polling calls sched_yield,
         # which releases the GIL and the core to anything else that needs them.
         self._spin = spin
