@@ -26,8 +26,13 @@ __all__ = ["reduce_parts"]
 
 
 def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray, op: ReduceOp,
-                 postscale: float) -> None:
-    """``dst[lo:hi] = parts[0] (op) parts[1] (op) ...`` over ``[lo:hi]``, then scaled once."""
+                 postscale: float, mirror: np.ndarray | None = None) -> None:
+    """``dst[lo:hi] = parts[0] (op) parts[1] (op) ...`` over ``[lo:hi]``, then scaled once.
+
+    Works block by block (:func:`~.buffers.chunk_elems`), so a block is still in cache when the
+    next part is combined into it and when it is copied to ``mirror[lo:hi]`` (if given): memory
+    sees each part read once and each output written once.
+    """
     dtype = dst.dtype
     combine = ufunc(op)
     factor = postscale / len(parts) if op == ReduceOp.AVERAGE else postscale
@@ -35,20 +40,17 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
         raise TensorError("a bool tensor cannot be averaged or scaled; use Sum, Min, Max or "
                           "Product, or cast it to a numeric dtype")
     wide = is_float16ish(dtype) or (dtype.kind in "iu" and factor != 1.0)
-    if not wide and not any(np.may_share_memory(dst, p) for p in parts[1:]):
-        # The same arithmetic straight in dst: no scratch, no chunk loop.
-        out = dst[lo:hi]
-        np.copyto(out, parts[0][lo:hi], casting="unsafe")
-        for part in parts[1:]:
-            combine(out, part[lo:hi], out=out, casting="unsafe")
-        if factor != 1.0:
-            np.multiply(out, factor, out=out, casting="unsafe")
-        return
-    acc_dtype = (np.float32 if is_float16ish(dtype) else np.float64) if wide else dtype
+    # In dst itself unless it needs a wider accumulator, or it is a later part (rank r > 0 of
+    # the shared-memory path reduces into its own input): writing parts[0] there first would
+    # destroy that part before it is read.
+    direct = not wide and not any(np.may_share_memory(dst, p) for p in parts[1:])
     per = chunk_elems(8)
-    acc = np.empty(min(per, max(hi - lo, 1)), acc_dtype)
+    acc = None
+    if not direct:
+        acc_dtype = (np.float32 if is_float16ish(dtype) else np.float64) if wide else dtype
+        acc = np.empty(min(per, max(hi - lo, 1)), acc_dtype)
     for a, b in chunk_ranges(lo, hi, per):
-        tmp = acc[: b - a]
+        tmp = dst[a:b] if acc is None else acc[: b - a]
         np.copyto(tmp, parts[0][a:b], casting="unsafe")
         for part in parts[1:]:
             combine(tmp, part[a:b], out=tmp, casting="unsafe")
@@ -56,4 +58,7 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
             np.multiply(tmp, factor, out=tmp, casting="unsafe")
             if dtype.kind in "iu":
                 np.trunc(tmp, out=tmp)  # toward zero, like C's static_cast
-        np.copyto(dst[a:b], tmp, casting="unsafe")
+        if acc is not None:
+            np.copyto(dst[a:b], tmp, casting="unsafe")
+        if mirror is not None:
+            np.copyto(mirror[a:b], dst[a:b])
