@@ -35,9 +35,12 @@ _MIB = 1024 * 1024
 class Config:
     #: Largest fused buffer; 0 disables fusion. Horovod's default, 128 MiB.
     fusion_threshold_bytes: int = 128 * _MIB
-    #: While operations are pending, the longest the engine sleeps before it looks at its queue,
-    #: heartbeats and the stall inspector again (it also wakes on every enqueue and message;
-    #: an idle engine sleeps until one arrives or the heartbeat, ``min(1 s, timeout_s / 4)``).
+    #: The fusion window: while some submitted names still wait for a rank, names that are ready
+    #: wait up to this long for them, so that a burst fuses into few collectives (a lone name is
+    #: planned at once). Also the longest the engine sleeps while operations are pending before
+    #: it looks at its queue, heartbeats and the stall inspector again (it wakes on every
+    #: enqueue and message; an idle engine sleeps until one arrives or the heartbeat,
+    #: ``min(1 s, timeout_s / 4)``).
     cycle_time_ms: float = 1.0
     #: Response-cache entries; 0 disables the cache (every op takes the slow path).
     cache_capacity: int = 1024

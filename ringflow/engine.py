@@ -253,7 +253,8 @@ class Engine:
         self._close(ShutdownError("ringflow was shut down while this op was pending"))
 
     def _next_items(self) -> list[tuple]:
-        wait = self.config.cycle_time_ms / 1000.0 if self._pending else self._hb_interval
+        busy = self._pending or (self.coordinator is not None and self.coordinator.holding)
+        wait = self.config.cycle_time_ms / 1000.0 if busy else self._hb_interval
         try:
             items = [self._inbox.get(timeout=wait)]
         except queue.Empty:
@@ -337,10 +338,13 @@ class Engine:
 
     def _plan(self) -> None:
         """Rank 0: turn what is ready into a plan, send it to every rank and take it in here."""
-        plan = self.coordinator.plan()
+        holding = self.coordinator.holding
+        plan = self.coordinator.plan(self.config.cycle_time_ms / 1000.0)
         if plan:
             self._broadcast(("plan", plan))
             self._receive(plan)
+        elif self.coordinator.holding and not holding:
+            self._inbox.put(("tick",))  # the engine thread plans them when the window closes
 
     def _on_message(self, msg: tuple) -> None:
         kind = msg[0]

@@ -190,6 +190,8 @@ class Coordinator:
         self.joined: list[int] = []
         self.gone: dict[int, str] = {}
         self.next_set_id = 1
+        self.holding = False  # see plan()
+        self._ready_since: float | None = None
         self.stats = {"negotiated": 0, "cache_hits": 0, "plans": 0, "fused_items": 0}
 
     # input -------------------------------------------------------------------------------------
@@ -227,12 +229,21 @@ class Coordinator:
         self.gone[rank] = reason
 
     # output ------------------------------------------------------------------------------------
-    def plan(self) -> list[Response | CachedAllreduce]:
-        """Take every ready name out of the table and return the plan items, fused."""
+    def plan(self, hold: float = 0.0) -> list[Response | CachedAllreduce]:
+        """Take every ready name out of the table and return the plan items, fused.
+
+        Fusion window: while other names are still waiting for some rank, ready names are held
+        back until ``hold`` seconds after the first of them was ready (or until they fill the
+        fusion buffer), so that a burst of submissions becomes a few large collectives rather
+        than one per name. A lone name is planned at once. While it holds, ``holding`` is True
+        and the caller must call again within ``hold``.
+        """
         ready: list[tuple[Key, dict[int, Request]]] = []
         groups: dict[tuple[int, str], list[Key]] = {}
+        waiting = False
         for key, slot in self.table.items():
             if not self._ready(key, slot):
+                waiting = True
                 continue
             group = next(iter(slot.values())).group
             if group:
@@ -243,6 +254,20 @@ class Coordinator:
             size = next(iter(self.table[keys[0]].values())).group_size
             if len(keys) >= size:
                 ready.extend((k, self.table[k]) for k in keys)
+            else:
+                waiting = True
+        self.holding = False
+        if not ready and not self._all_joined():
+            return []
+        if ready and hold > 0 and waiting:
+            now = time.monotonic()
+            if self._ready_since is None:
+                self._ready_since = now
+            nbytes = sum(next(iter(slot.values())).nbytes for _, slot in ready)
+            if now - self._ready_since < hold and nbytes < self.fusion_threshold:
+                self.holding = True
+                return []
+        self._ready_since = None
         items: list[Response | CachedAllreduce] = []
         fusable: dict[tuple, list[tuple[Response, dict[int, np.ndarray] | None]]] = {}
         for key, slot in ready:

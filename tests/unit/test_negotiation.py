@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -230,6 +231,34 @@ def test_eager_needs_data_from_every_member_and_respects_its_size_limit() -> Non
     # Each fits alone; together they exceed EAGER_BYTES: two eager items, not one.
     assert [it.bits for it in items] == [(1,), (2,)]
     assert all(it.result.tolist() == [3.0] * n for it in items)
+
+
+def test_fusion_window_holds_ready_names_while_others_are_still_coming() -> None:
+    c = coordinator(threshold=1000)
+    for rank in range(3):
+        c.submit(rank, [ar("lone")], [])
+    assert [i.names for i in c.plan(hold=60.0)] == [("lone",)]  # nothing else pending: at once
+    for rank in range(3):
+        c.submit(rank, [ar("a")], [])
+    c.submit(0, [ar("b")], [])  # b still waits for ranks 1 and 2
+    assert c.plan(hold=60.0) == [] and c.holding
+    for rank in (1, 2):
+        c.submit(rank, [ar("b")], [])
+    (item,) = c.plan(hold=60.0)  # nothing is waiting any more: one fused item
+    assert item.names == ("a", "b") and not c.holding
+
+
+def test_fusion_window_ends_after_hold_or_when_the_buffer_is_full() -> None:
+    c = coordinator(threshold=1000)
+    for rank in range(3):
+        c.submit(rank, [ar("a")], [])
+    c.submit(0, [ar("late")], [])
+    assert c.plan(hold=0.05) == [] and c.holding
+    time.sleep(0.06)
+    assert [i.names for i in c.plan(hold=0.05)] == [("a",)]
+    for rank in range(3):
+        c.submit(rank, [ar("big", 300)], [])  # 1200 bytes >= the threshold: no waiting
+    assert [i.names for i in c.plan(hold=60.0)] == [("big",)]
 
 
 def test_a_stall_names_the_tensor_and_the_missing_ranks() -> None:
