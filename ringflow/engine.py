@@ -233,14 +233,11 @@ class Engine:
         while True:
             items = self._next_items()
             stop = False
+            departed: list[tuple] = []
             try:
                 with self._control():
                     stop, departed = self._step(items)
                 self._run_ready()
-                if departed:
-                    with self._control():
-                        for _, peer, error in departed:
-                            self._on_peer(peer, error)
             except RingflowError as exc:
                 self._note_failure(exc)
             except Exception as exc:  # a bug must not leave handles hanging
@@ -248,6 +245,16 @@ class Engine:
                 self._note_failure(ShutdownError(f"internal error in the engine: {exc!r}"))
             if self._failure is not None and self._fatal is None:
                 self._fail_job(*self._failure)
+            # After the job's error, if any: a peer that announced it and then left must not
+            # turn it into "has shut down" here.
+            try:
+                with self._control():
+                    for _, peer, error in departed:
+                        self._on_peer(peer, error)
+            except Exception as exc:
+                log.exception("ringflow engine failed")
+                if self._fatal is None:
+                    self._fail_job(ShutdownError(f"internal error in the engine: {exc!r}"))
             if stop:
                 break
         self._close(ShutdownError("ringflow was shut down while this op was pending"))
