@@ -642,17 +642,7 @@ class Engine:
             shm.allreduce(buf, buf, reduce_op, ref.postscale)
         else:
             _allreduce_on(t, buf, reduce_op, ref.postscale)
-        results: list[Any] = []
-        offset = 0
-        for entry, r, n in zip(entries, refs, sizes, strict=True):
-            if entry is None:
-                results.append(None)
-            else:
-                out = _output(entry, r)
-                np.copyto(out, buf[offset:offset + n].reshape(r.shape), casting="unsafe")
-                results.append(out)
-            offset += n
-        return results
+        return _unpack(buf, refs, entries)
 
     def _allgather(self, t: Any, item: Response, entries: list[Entry | None]) -> list[Any]:
         refs = item.requests
