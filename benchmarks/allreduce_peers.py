@@ -6,9 +6,12 @@
 Every peer runs as real processes on this host, float32 SUM allreduce, the same sizes; each size is
 timed op by op after a barrier and warm-up, and the median is reported. Columns follow nccl-tests:
 ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n`` (what each rank's link must carry).
-``copy`` is how many single-copy times of the buffer (np.copyto, measured here) one allreduce
-takes: the memory-bandwidth floor to reason from. ringflow runs through ``ringflow-run`` and the
-full engine (negotiation, fusion buffer, handles), not a bare algorithm.
+Each rank is pinned to its own slice of the CPUs when the ranks do not outnumber them (``mpirun
+--bind-to core``, ``ringflow-run --bind-to core``, ``sched_setaffinity`` for gloo's processes);
+otherwise nothing is pinned. ``copy`` is how many single-copy times of the buffer (np.copyto,
+measured here) one allreduce takes: the memory-bandwidth floor to reason from. ringflow runs
+through ``ringflow-run`` and the full engine (negotiation, fusion buffer, handles), not a bare
+algorithm.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from ringflow.topology import cpu_share
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
 PEERS = ("ringflow", "mpi4py", "gloo")
@@ -94,17 +99,27 @@ def run_peer(peer: str, n: int, sizes: list[int], timeout: float) -> dict[str, f
         me = [sys.executable, os.path.abspath(__file__), "--worker", peer, "--result", result,
               "--sizes", ",".join(map(str, sizes))]
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        # Pinning, the same for every peer: one slice of the CPUs per rank when the ranks do not
+        # outnumber them (Open MPI's own default at np <= 2), none otherwise.
+        pin = n <= len(os.sched_getaffinity(0))
         if peer == "ringflow":
+            bind = ["--bind-to", "core"] if pin else []
             procs = [subprocess.Popen([sys.executable, "-m", "ringflow.runner", "-np", str(n),
-                                       *me], env=env, stdout=subprocess.DEVNULL)]
+                                       *bind, *me], env=env, stdout=subprocess.DEVNULL)]
         elif peer == "mpi4py":
+            bind = ["--bind-to", "core" if pin else "none"]
             procs = [subprocess.Popen(["mpirun", "--allow-run-as-root", "--oversubscribe",
-                                       "-np", str(n), *me], env=env, stdout=subprocess.DEVNULL)]
+                                       *bind, "-np", str(n), *me], env=env,
+                                      stdout=subprocess.DEVNULL)]
         else:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                        WORLD_SIZE=str(n))
-            procs = [subprocess.Popen(me, env=dict(env, RANK=str(r)),
-                                      stdout=subprocess.DEVNULL) for r in range(n)]
+            procs = []
+            for r in range(n):
+                cpus = cpu_share(r, n, os.sched_getaffinity(0)) if pin else None
+                procs.append(subprocess.Popen(
+                    me, env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL,
+                    preexec_fn=(lambda c=cpus: os.sched_setaffinity(0, c)) if pin else None))
         try:
             codes = [p.wait(timeout) for p in procs]
         except subprocess.TimeoutExpired:

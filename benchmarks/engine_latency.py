@@ -2,8 +2,8 @@
 
     python benchmarks/engine_latency.py [--iters 2000] [--tensors 1000] [--repeats 20]
 
-Starts ``ringflow-run -np 2`` once with fusion on (the default threshold) and once with
-``RINGFLOW_FUSION_THRESHOLD_BYTES=0``, and prints:
+Starts ``ringflow-run -np 2 --bind-to core`` once with fusion on (the default threshold) and once
+with ``RINGFLOW_FUSION_THRESHOLD_BYTES=0``, and prints:
 
 * the latency of one 4 KiB float32 allreduce through the engine (``allreduce(x, name=...)``
   measured end to end on rank 0, after warm-up, so the response cache is hot): median, p10, p90;
@@ -64,7 +64,8 @@ def run(fusion: bool, args: argparse.Namespace) -> dict:
         env.pop("RINGFLOW_FUSION_THRESHOLD_BYTES", None)
         if not fusion:
             env["RINGFLOW_FUSION_THRESHOLD_BYTES"] = "0"
-        cmd = [sys.executable, "-m", "ringflow.runner", "-np", "2", sys.executable, __file__,
+        cmd = [sys.executable, "-m", "ringflow.runner", "-np", "2", "--bind-to", args.bind_to,
+               sys.executable, __file__,
                "--worker", out, "--iters", str(args.iters), "--tensors", str(args.tensors),
                "--repeats", str(args.repeats)]
         subprocess.run(cmd, env=env, check=True, timeout=600)
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--bind-to", choices=("core", "none"), default="core",
+                        help="ringflow-run --bind-to (default core: one CPU per rank)")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -106,6 +106,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             info = comm_info(comm)
         else:
             info = topology.detect()
+        if config.bind_to == "core":
+            cpus = topology.bind_to_cores(info)
+            logging.getLogger("ringflow").info("rank %d bound to CPUs %s", info.rank, cpus)
         generation = next(_generation)
         if info.size == 1:
             from .transport.tcp import TcpTransport

@@ -61,6 +61,11 @@ class Config:
     transport: str = "auto"
     #: Address this rank's listening sockets bind to; empty picks one from the rendezvous route.
     bind_addr: str = ""
+    #: ``core``: at init(), pin this process (every thread it has, and so every thread it starts
+    #: later) to its share of the CPUs it may use: local rank ``i`` of ``L`` gets the ``i``-th of
+    #: ``L`` equal slices, or one CPU round-robin when there are more ranks than CPUs (what
+    #: ``mpirun --bind-to core`` does). ``none`` leaves placement to the OS scheduler.
+    bind_to: str = "none"
 
     def __post_init__(self) -> None:
         checks = {
@@ -71,6 +76,7 @@ class Config:
             "stall_warning_s": self.stall_warning_s >= 0,
             "stall_shutdown_s": self.stall_shutdown_s >= 0,
             "log_level": self.log_level.lower() in ("debug", "info", "warning", "error"),
+            "bind_to": self.bind_to in ("none", "core"),
         }
         for name, ok in checks.items():
             if not ok:

@@ -55,6 +55,7 @@ TUNING: dict[str, tuple[str, Callable[[Any], str]]] = {
     "stall_check_shutdown_time_seconds": ("RINGFLOW_STALL_SHUTDOWN_S", str),
     "log_level": ("RINGFLOW_LOG_LEVEL", lambda level: _LOG_LEVELS[level.lower()]),
     "start_timeout": ("RINGFLOW_TIMEOUT_S", str),
+    "bind_to": ("RINGFLOW_BIND_TO", str),
 }
 
 
@@ -116,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="fail a stalled tensor after S seconds; 0 never (default 600)")
     tune.add_argument("--log-level", type=str.lower, choices=sorted(_LOG_LEVELS),
                       help="log level of the workers' ringflow logger")
+    tune.add_argument("--bind-to", choices=("none", "core"),
+                      help="core: pin each rank to its slice of its host's CPUs (default none)")
     add("--config-file", metavar="FILE", help="YAML file with long flag names as keys")
     add("--check-build", action="store_true", help="list what this installation can do and exit")
     add("-v", "--version", action="version", version=f"%(prog)s {_version()}")

@@ -91,6 +91,35 @@ def test_environment_contract_and_store_exchange(tmp_path):
         assert f"[{rank}]:rank {rank} saw ['7', '17', '27']" in proc.stdout.splitlines()
 
 
+BOUND = """
+    import os, threading
+    import numpy as np
+    import ringflow as rf
+
+    early = threading.Thread(target=threading.Event().wait, daemon=True)
+    early.start()  # a thread from before init() must be pinned too
+    rf.init()
+    rf.allreduce(np.ones(3), name="warm")  # engine and transport threads are running
+    masks = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+    print(f"rank {rf.rank()} cpus {sorted(masks)}")
+    rf.shutdown()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least 2 CPUs")
+def test_bind_to_core_pins_every_thread_of_each_rank_to_its_own_cpus(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    proc = launch("-np", "2", "--bind-to", "core", sys.executable, script(tmp_path, BOUND))
+    assert proc.returncode == 0, proc.stderr
+    half = len(cpus) // 2
+    for rank, mine in ((0, cpus[:half]), (1, cpus[half:2 * half])):
+        assert f"[{rank}]:rank {rank} cpus {[tuple(mine)]}" in proc.stdout.splitlines(), proc.stdout
+    proc = launch("-np", "2", sys.executable, script(tmp_path, BOUND))  # default: not pinned
+    assert proc.returncode == 0, proc.stderr
+    assert f"[1]:rank 1 cpus {[tuple(cpus)]}" in proc.stdout.splitlines(), proc.stdout
+
+
 def test_bin_script_and_explicit_hosts(tmp_path):
     body = "import os; print(os.environ['RINGFLOW_RANK'], os.environ['RINGFLOW_SIZE'])"
     proc = subprocess.run(

@@ -169,3 +169,16 @@ def test_rank_info_is_frozen():
     info = detect({})
     with pytest.raises(AttributeError):
         info.rank = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("local_size", "cpus", "shares"), [
+    (2, [0, 1], [[0], [1]]),
+    (2, [3, 1, 2, 0], [[0, 1], [2, 3]]),  # sorted, then sliced
+    (3, range(8), [[0, 1], [2, 3], [4, 5]]),  # the remainder stays unused
+    (4, [0, 1], [[0], [1], [0], [1]]),  # more ranks than CPUs: one each, round-robin
+    (1, [5], [[5]]),
+])
+def test_cpu_share_slices_the_cpus_among_local_ranks(local_size, cpus, shares) -> None:
+    from ringflow.topology import cpu_share
+
+    assert [cpu_share(r, local_size, cpus) for r in range(local_size)] == shares
