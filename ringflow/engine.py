@@ -165,16 +165,17 @@ class Engine:
 
     # framework side ----------------------------------------------------------------------------
     def enqueue(self, request: Request, array: np.ndarray | None = None, out: Any = None) -> Handle:
-        entry = Entry(request, array, out, Handle(request.name))
         with self._control():
+            busy = bool(self._pending or self._queued or self._closed)
+            entry = Entry(request, array, out,
+                          Handle(request.name, 0.0 if busy else _LONE_SPIN_S))  # see Handle
             if self._refuse is not None:
                 self._done(entry.handle, error=_clone(self._refuse))
-            elif self._pending or self._queued or self._closed:
-                # Busy: the engine thread batches what arrives meanwhile into one submission.
+            elif busy:
+                # The engine thread batches what arrives meanwhile into one submission.
                 self._queued += 1
                 self._inbox.put(("enqueue", entry))
             else:
-                entry.handle._spin = _LONE_SPIN_S  # see Handle
                 try:
                     self._submit_entries([entry])  # idle: no reason to wake another thread
                 except Exception as exc:  # the engine thread fails the job (and this entry)
@@ -715,9 +716,7 @@ def _eager_input(entry: Entry) -> np.ndarray | None:
     flat = arr.reshape(-1)
     wire = req.wire_dtype
     if req.prescale != 1.0:
-        out = np.empty(flat.size, wire)
-        np.multiply(flat, req.prescale, out=out, casting="unsafe")
-        return out
+        return _scaled(flat, req.prescale, wire)
     # No copy: a worker pickles it at once, and rank 0 reduces it before the handle can finish.
     return flat if flat.dtype == wire else flat.astype(wire)
 
