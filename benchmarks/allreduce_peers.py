@@ -8,8 +8,10 @@ timed op by op after a barrier and warm-up, and the median is reported. Columns 
 ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n`` (what each rank's link must carry).
 Each rank is pinned to its own slice of the CPUs when the ranks do not outnumber them (``mpirun
 --bind-to core``, ``ringflow-run --bind-to core``, ``sched_setaffinity`` for gloo's processes);
-otherwise nothing is pinned. ``copy`` is how many single-copy times of the buffer (np.copyto,
-measured here) one allreduce takes: the memory-bandwidth floor to reason from. ringflow runs
+otherwise nothing is pinned. Every peer runs with the ``GLIBC_TUNABLES`` that ``ringflow-run``
+gives its workers (:data:`ringflow.runner.launch.MEMCPY_TUNABLE`). ``copy`` is how many
+single-copy times of the buffer (np.copyto, measured by rank 0 of ringflow's job) one allreduce
+takes: the memory-bandwidth floor to reason from. ringflow runs
 through ``ringflow-run`` and the full engine (negotiation, fusion buffer, handles), not a bare
 algorithm.
 """
@@ -28,6 +30,7 @@ import time
 
 import numpy as np
 
+from ringflow.runner.launch import glibc_tunables
 from ringflow.topology import cpu_share
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -83,6 +86,7 @@ def worker(peer: str, sizes: list[int], result: str) -> None:
         times = _timed(lambda b: dist.all_reduce(torch.from_numpy(b)), dist.barrier, sizes)
         dist.destroy_process_group()
     if rank == 0:
+        times.update({f"copy {nbytes}": copy_floor(nbytes) for nbytes in sizes})
         with open(result, "w") as f:
             json.dump(times, f)
 
@@ -99,6 +103,9 @@ def run_peer(peer: str, n: int, sizes: list[int], timeout: float) -> dict[str, f
         me = [sys.executable, os.path.abspath(__file__), "--worker", peer, "--result", result,
               "--sizes", ",".join(map(str, sizes))]
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        # Every peer copies memory with the glibc tuning ringflow-run gives its workers, so the
+        # ratios compare the algorithms, not the memcpy settings.
+        env["GLIBC_TUNABLES"] = glibc_tunables(env)
         # Pinning, the same for every peer: one slice of the CPUs per rank when the ranks do not
         # outnumber them (Open MPI's own default at np <= 2), none otherwise.
         pin = n <= len(os.sched_getaffinity(0))
@@ -166,7 +173,7 @@ def report(n: int, sizes: list[int], results: dict[str, dict[str, float] | None]
             if p != "ringflow":
                 ratio = results[p][str(nbytes)] / rf[str(nbytes)] if rf else float("nan")
                 row.append(f"{ratio:.2f}x")
-        row.append(f"{rf[str(nbytes)] / copy_floor(nbytes):.1f}" if rf else "-")
+        row.append(f"{rf[str(nbytes)] / rf[f'copy {nbytes}']:.1f}" if rf else "-")
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     lines.append("ratio > 1: ringflow is faster (peer time / ringflow time).")

@@ -17,13 +17,14 @@ Allreduce of ``B`` bytes on ``n`` local ranks (rank ``r`` owns share ``r`` of ``
 5. copy share ``k`` of rank ``k``'s half into the output, for every ``k != r``.
 
 Per rank that is a copy of ``(n-1)/n B``, one reduce pass reading ``B`` and writing ``2B/n``,
-and a copy of ``(n-1)/n B``: 4 passes over ``B`` at 2 ranks (64 MiB: copy in 5 ms, reduce 10.5,
-copy out 5, each rank, both at once), where copying the whole input in and the whole result out
-took 5.5 (28 ms). No byte goes through a socket. Because each element is reduced by one rank in
-a fixed order that does not depend on where it sits in the buffer, results are bitwise
-identical on every rank and across fusion layouts. A half is rewritten two operations later,
-after every rank has passed the next operation's first barrier, so no rank can overwrite data
-another is still reading.
+and a copy of ``(n-1)/n B``: 4 passes over ``B`` at 2 ranks (64 MiB, each rank, both at once:
+copy in 2.8 ms, reduce 9, copy out 2.8, with the workers' glibc streaming large copies past the
+cache, :data:`ringflow.runner.launch.MEMCPY_TUNABLE`; 5, 10.5 and 5 ms without it), where copying
+the whole input in and the whole result out took 5.5 (28 ms). No byte goes through a socket.
+Because each element is reduced by one rank in a fixed order that does not depend on where it
+sits in the buffer, results are bitwise identical on every rank and across fusion layouts. A
+half is rewritten two operations later, after every rank has passed the next operation's first
+barrier, so no rank can overwrite data another is still reading.
 
 Hierarchical (several hosts with ``L`` ranks each): step 3 reduces share ``r`` of this host only
 (no scaling), then the ``L`` shares travel in parallel, each over its own TCP ring between the

@@ -74,6 +74,7 @@ CONTRACT = """
     assert env["RINGFLOW_RENDEZVOUS_ADDR"] == "127.0.0.1"
     assert int(env["RINGFLOW_LAUNCHER_PID"]) == os.getppid()
     assert env["RINGFLOW_JOB_ID"] and int(env["RINGFLOW_SECRET_FD"]) > 2
+    assert "glibc.cpu.x86_non_temporal_threshold=" in env["GLIBC_TUNABLES"]
     store = connect()
     store.set(f"value/{rank}", f"{env['RINGFLOW_JOB_ID']}:{rank * 10 + 7}".encode())
     seen = [store.get(f"value/{r}").decode() for r in range(size)]

@@ -8,6 +8,7 @@ import pytest
 
 from ringflow.errors import ConfigError, LaunchError
 from ringflow.runner import cli
+from ringflow.runner.launch import MEMCPY_TUNABLE, glibc_tunables
 from ringflow.runner.ssh import SshOptions, remote_environ, ssh_argv
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,6 +25,15 @@ def test_remote_environment_is_an_allow_list():
         "PATH": "/usr/bin", "RINGFLOW_RANK": "3", "LC_ALL": "C", "NCCL_DEBUG": "INFO"
     }
     assert remote_environ(ENV, ["MY_VAR"])["MY_VAR"] == "x y"
+
+
+def test_workers_get_the_memcpy_tunable_unless_the_user_set_it():
+    assert glibc_tunables({}) == MEMCPY_TUNABLE
+    assert glibc_tunables({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == \
+        f"glibc.malloc.arena_max=2:{MEMCPY_TUNABLE}"
+    mine = "glibc.cpu.x86_non_temporal_threshold=0x800000"
+    assert glibc_tunables({"GLIBC_TUNABLES": mine}) == mine
+    assert remote_environ({"GLIBC_TUNABLES": mine}) == {"GLIBC_TUNABLES": mine}
 
 
 def test_ssh_argv_quotes_everything_and_keeps_host_key_checking():
