@@ -58,14 +58,18 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
     # own input): writing parts[0] there first would destroy that part before it is read.
     stream = (hi - lo) * dtype.itemsize >= STREAM_BYTES
     per = chunk_elems(acc_dtype.itemsize) // (1 if stream else 2) or 1
+    if len(parts) == 2 and np.may_share_memory(dst, parts[1]):
+        parts = parts[::-1]  # two operands commute exactly (every op here); reduce in place
     acc = None
     if stream or wide or any(np.may_share_memory(dst, p) for p in parts[1:]):
         acc = np.empty(min(per, max(hi - lo, 1)), acc_dtype)
+    in_place = dst.ctypes.data == parts[0].ctypes.data and dst.strides == parts[0].strides
     for a, b in chunk_ranges(lo, hi, per):
         rest = parts[1:]
         if acc is None:
             tmp = dst[a:b]
-            np.copyto(tmp, parts[0][a:b])
+            if not in_place:
+                np.copyto(tmp, parts[0][a:b])
         else:
             tmp = acc[: b - a]
             if rest:

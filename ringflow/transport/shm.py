@@ -1,18 +1,35 @@
 """Shared-memory allreduce for the ranks of one host (and hierarchical allreduce across hosts).
 
-Every local rank owns one data segment and one flag word in ``/dev/shm``, created with mode 0600
-and **unlinked as soon as every rank has mapped it**, so nothing is left behind even when a rank is
-killed (the kernel frees the memory with the last mapping). The data segment holds two halves;
-successive allreduces alternate between them.
+Every local rank owns one flag line in ``/dev/shm`` and, on the copy path, one data segment,
+created with mode 0600 and **unlinked as soon as every rank has mapped them**, so nothing is left
+behind even when a rank is killed (the kernel frees the memory with the last mapping). The data
+segment holds two halves; successive allreduces alternate between them.
 
-Allreduce of ``B`` bytes on ``n`` local ranks (rank ``r`` owns share ``r`` of ``even_split``):
+Allreduce of ``B`` bytes on ``n`` local ranks (rank ``r`` owns share ``r`` of ``even_split``)
+takes one of two paths, the same on every rank, chosen when the job starts.
+
+**Single copy** (when every rank may read every other's memory with ``process_vm_readv``: the
+same user, and no ptrace restriction such as Yama's ``ptrace_scope`` 1 or a seccomp filter; each
+rank probes each peer at setup and the ranks agree through the store):
+
+1. publish the addresses of the input and the output in this rank's flag line; barrier;
+2. reduce share ``r`` in rank order 0..n-1 into the output, block by block: each peer's block is
+   read from its input into a cache-sized scratch block, then combined;
+3. barrier: every share is reduced, in its rank's output;
+4. read share ``k`` of rank ``k``'s output straight into this rank's output, for every ``k != r``;
+5. barrier: no peer reads this rank's memory any more, so the caller may reuse it.
+
+Per rank that is one read of ``(n-1)/n B`` from the peers, one reduce pass over ``B/n`` (in place
+when the op is in place), and one read of ``(n-1)/n B``: at 2 ranks, 64 MiB, 7 ms for steps 1-2
+and 4.6 ms for step 4 (each rank, both at once), against 14.6 ms for the copy path below.
+
+**Copy** (otherwise):
 
 1. copy every share of the input but share ``r`` into this rank's current half (skipped when the
    engine packed the input there); this rank reads its own share from the input itself;
 2. barrier: every input is in place;
-3. reduce share ``r`` of all ``n`` inputs, in rank order 0..n-1, into share ``r`` of this rank's
-   half (16-bit floats accumulate in float32, scaled integers in float64); scale once; block by
-   block, each reduced block is also copied to the output while it is in cache;
+3. reduce share ``r`` of all ``n`` inputs, in rank order, into share ``r`` of this rank's half;
+   block by block, each reduced block is also copied to the output while it is in cache;
 4. barrier: every share is reduced;
 5. copy share ``k`` of rank ``k``'s half into the output, for every ``k != r``.
 
@@ -20,23 +37,26 @@ Per rank that is a copy of ``(n-1)/n B``, one reduce pass reading ``B`` and writ
 and a copy of ``(n-1)/n B``: 4 passes over ``B`` at 2 ranks (64 MiB, each rank, both at once:
 copy in 2.8 ms, reduce 9, copy out 2.8, with the workers' glibc streaming large copies past the
 cache, :data:`ringflow.runner.launch.MEMCPY_TUNABLE`; 5, 10.5 and 5 ms without it), where copying
-the whole input in and the whole result out took 5.5 (28 ms). No byte goes through a socket.
-Because each element is reduced by one rank in a fixed order that does not depend on where it
-sits in the buffer, results are bitwise identical on every rank and across fusion layouts. A
-half is rewritten two operations later, after every rank has passed the next operation's first
-barrier, so no rank can overwrite data another is still reading.
+the whole input in and the whole result out took 5.5 (28 ms). A half is rewritten two
+operations later, after every rank has passed the next operation's first barrier, so no rank can
+overwrite data another is still reading.
 
-Hierarchical (several hosts with ``L`` ranks each): step 3 reduces share ``r`` of this host only
-(no scaling), then the ``L`` shares travel in parallel, each over its own TCP ring between the
-ranks of local rank ``r`` on every host, which also applies the scale; the result is written back
-into share ``r`` before barrier 4. Each host thus sends ``2 (H-1)/H * B`` bytes across its link in
+Both paths reduce with :func:`~ringflow.algorithms.local.reduce_parts` (16-bit floats accumulate
+in float32, scaled integers in float64; scaled once). No byte goes through a socket. Because each
+element is reduced by one rank in a fixed order that does not depend on where it sits in the
+buffer, results are bitwise identical on every rank, across fusion layouts, and between paths.
+
+Hierarchical (several hosts with ``L`` ranks each): the reduce step reduces share ``r`` of this
+host only (no scaling), then the ``L`` shares travel in parallel, each over its own TCP ring
+between the ranks of local rank ``r`` on every host, which also applies the scale; the result
+is in place before the next barrier. Each host thus sends ``2 (H-1)/H * B`` bytes across its link in
 total -- the host-level ring bound -- instead of the rank-level ``2 (N-1)/N * B`` per rank.
 
 Barriers: each rank bumps its flag word to the operation's epoch and waits until every flag has
 reached it, polling (with ``sched_yield``) for up to 200 us, then sleeping progressively longer.
 Every few milliseconds the wait checks the TCP transport for a failed peer and the deadline
 (``timeout_s``), so a dead or frozen rank ends the wait with the same errors as on the TCP path.
-Every size takes this path: even at 4 KiB two flag barriers beat the TCP ring's socket exchanges
+Every size takes these paths: even at 4 KiB two flag barriers beat the TCP ring's socket exchanges
 and thread hand-offs (engine path, 2 / 4 ranks, two runs each: 0.50-0.85 / 1.3-1.6 ms against
 0.87-1.12 / 2.5-2.8 ms over TCP). Allreduces of at most ``negotiation.EAGER_BYTES`` that the
 response cache knows never get here: the coordinator reduces them (see :mod:`ringflow.engine`).
@@ -45,6 +65,8 @@ response cache knows never get here: the coordinator reduces them (see :mod:`rin
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import mmap
 import os
 import secrets
@@ -55,15 +77,21 @@ from typing import Any
 import numpy as np
 
 from .. import algorithms
-from ..algorithms.buffers import even_split
+from ..algorithms.buffers import chunk_elems, chunk_ranges, even_split
 from ..algorithms.local import reduce_parts
-from ..errors import ConfigError, RingflowTimeoutError
+from ..errors import ConfigError, PeerError, RingflowTimeoutError
 from ..ops import ReduceOp, check_dtype
 
 __all__ = ["ShmAllreduce", "ShmTransport", "create"]
 
+log = logging.getLogger(__name__)
+
 _SHM_DIR = "/dev/shm"
-_FLAG_BYTES = 64  # one cache line per flag word: no false sharing between ranks
+_FLAG_BYTES = 64  # one cache line of flag words per rank: no false sharing between ranks
+# The words of a rank's flag line: barrier epoch, pid, the line's own address in that process
+# (what a peer reads to check that it may read this process's memory), and the addresses of
+# the current single-copy allreduce's input and output.
+_EPOCH, _PID, _SELF, _SRC, _OUT = range(5)
 _ALIGN = 4096
 # A barrier polls without sleeping for this long before it naps: the shortest sleep on this
 # machine lasts ~80 us (timer slack), longer than a typical wait for a peer.
@@ -72,6 +100,29 @@ _SPIN_S = 200e-6
 
 def available() -> bool:
     return os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_readv = getattr(_libc, "process_vm_readv", None)
+if _readv is not None:
+    _readv.restype = ctypes.c_ssize_t
+    _readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                       ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+
+
+def _read_from(pid: int, addr: int, dst: np.ndarray) -> int:
+    """Copy ``dst.nbytes`` bytes at ``addr`` in process ``pid`` into ``dst`` (C-contiguous);
+    the number copied, or ``-errno``."""
+    if _readv is None:
+        return -38  # ENOSYS
+    local = _Iovec(dst.ctypes.data, dst.nbytes)
+    remote = _Iovec(addr, dst.nbytes)
+    got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    return got if got >= 0 else -ctypes.get_errno()
 
 
 class _Mapping:
@@ -119,7 +170,31 @@ class ShmAllreduce:
         self._words: list[np.ndarray] | None = None
         flag = _Mapping(self._path("f", rank), _FLAG_BYTES, create=True)
         self._flags = self._attach("f", _FLAG_BYTES, flag)
-        self._words = [np.frombuffer(f.map, dtype=np.int64, count=1) for f in self._flags]
+        self._words = [np.frombuffer(f.map, dtype=np.int64) for f in self._flags]
+        self._scratch = np.empty(0, np.uint8)
+        self._packed = np.empty(0, np.uint8)
+        self.single_copy = self._agree_on_single_copy()
+
+    def _agree_on_single_copy(self) -> bool:
+        """Whether every local rank may read every other's memory (``process_vm_readv``: same
+        user, and no ptrace restriction such as Yama's scope 1 or a seccomp filter)."""
+        mine = self._words[self.rank]
+        mine[_PID] = os.getpid()
+        mine[_SELF] = mine.ctypes.data
+        self.barrier()
+        probe = np.zeros(1, np.int64)
+        ok = True
+        for k, line in enumerate(self._words):
+            if k != self.rank:
+                got = _read_from(int(line[_PID]), int(line[_SELF]) + 8 * _PID, probe)
+                if got != 8 or probe[0] != line[_PID]:
+                    log.debug("local rank %d cannot read local rank %d's memory (%d)",
+                              self.rank, k, got)
+                    ok = False
+        self._store.set(f"{self._key}direct/{self.rank}", b"1" if ok else b"0")
+        keys = [f"{self._key}direct/{r}" for r in range(self.size)]
+        self._store.wait(keys, self.timeout)
+        return all(self._store.get(key, self.timeout) == b"1" for key in keys)
 
     def _path(self, kind: str, rank: int) -> str:
         return f"{_SHM_DIR}/{self._name}_{kind}{self._gen}_{rank}"
@@ -146,16 +221,16 @@ class ShmAllreduce:
 
     def barrier(self) -> None:
         self._epoch += 1
-        self._words[self.rank][0] = self._epoch
+        self._words[self.rank][_EPOCH] = self._epoch
         epoch = self._epoch
         words = self._words or []
-        if all(w[0] >= epoch for w in words):
+        if all(w[_EPOCH] >= epoch for w in words):
             return
         start = time.monotonic()
         check = start
         nap = 0.0
         while True:
-            if all(w[0] >= epoch for w in words):
+            if all(w[_EPOCH] >= epoch for w in words):
                 return
             now = time.monotonic()
             if now - start < _SPIN_S:
@@ -167,7 +242,7 @@ class ShmAllreduce:
                 check = now
                 self._check_peers()
                 if now - start > self.timeout:
-                    late = [r for r, w in enumerate(words) if w[0] < epoch]
+                    late = [r for r, w in enumerate(words) if w[_EPOCH] < epoch]
                     raise RingflowTimeoutError(
                         f"local ranks {late} did not reach the shared-memory barrier within "
                         f"{self.timeout} s; they may be frozen (RINGFLOW_TIMEOUT_S sets the limit)"
@@ -187,7 +262,12 @@ class ShmAllreduce:
 
     def input_view(self, n: int, dtype: np.dtype) -> np.ndarray:
         """Where the next :meth:`allreduce` expects this rank's input (packing here saves a
-        copy)."""
+        copy). Single copy: a buffer of this process, grown here alone, since the ranks of one
+        operation need not all pack (a rank that joined packs zeros, the others may not)."""
+        if self.single_copy:
+            if self._packed.nbytes < n * dtype.itemsize:
+                self._packed = np.empty(n * dtype.itemsize, np.uint8)
+            return self._packed[:n * dtype.itemsize].view(dtype)
         self._ensure(max(n * dtype.itemsize, 1))
         base = self._half * self._capacity
         return self._segs[self.rank].array[base:base + n * dtype.itemsize].view(dtype)
@@ -195,10 +275,79 @@ class ShmAllreduce:
     def allreduce(self, src: np.ndarray, out: np.ndarray, op: ReduceOp,
                   postscale: float = 1.0) -> None:
         """``out = reduce(src over ranks)``; ``src`` and ``out`` are 1-D of one dtype and length."""
-        dtype = check_dtype(src.dtype, "allreduce buffer")
-        n = src.size
-        if n == 0:
+        check_dtype(src.dtype, "allreduce buffer")
+        if src.size == 0:
             return
+        if self.single_copy:
+            self._allreduce_direct(src, out, op, postscale)
+        else:
+            self._allreduce_copy(src, out, op, postscale)
+
+    def _local_op(self, op: ReduceOp, postscale: float) -> tuple[ReduceOp, float]:
+        """The op and scale of this host's reduction: the final ones on a single host; an
+        unscaled sum (or the op) when the ring across hosts follows and scales once."""
+        if self.cross is None:
+            return op, postscale
+        return (ReduceOp.SUM if op == ReduceOp.AVERAGE else op), 1.0
+
+    def _across_hosts(self, share: np.ndarray, op: ReduceOp, postscale: float) -> None:
+        """Allreduce this host's reduced ``share`` with the same share of every other host."""
+        local, _ = self._local_op(op, postscale)
+        total = self.size * self.cross.size
+        factor = postscale / total if op == ReduceOp.AVERAGE else postscale
+        algorithms.allreduce(self.cross, share, local, factor)
+
+    def _allreduce_direct(self, src: np.ndarray, out: np.ndarray, op: ReduceOp,
+                          postscale: float) -> None:
+        """Single copy: each rank reads the peers' inputs and results in their own memory."""
+        result = out
+        src = np.ascontiguousarray(src)
+        if not out.flags.c_contiguous:
+            out = np.empty_like(src)
+        n, item = src.size, src.dtype.itemsize
+        bounds = even_split(n, self.size)
+        lo, hi = bounds[self.rank]
+        mine = self._words[self.rank]
+        mine[_SRC], mine[_OUT] = src.ctypes.data, out.ctypes.data
+        self.barrier()  # every input is ready and its address published
+        lines = [(int(w[_PID]), int(w[_SRC]), int(w[_OUT])) for w in self._words]
+        local, scale = self._local_op(op, postscale)
+        per = chunk_elems(item)
+        if self._scratch.nbytes < self.size * per * item:
+            self._scratch = np.empty(self.size * per * item, np.uint8)
+        scratch = self._scratch.view(src.dtype)
+        for a, b in chunk_ranges(lo, hi, per):
+            parts = [src[a:b] if k == self.rank else
+                     self._read(k, pid, addr + a * item, scratch[k * per:k * per + b - a])
+                     for k, (pid, addr, _) in enumerate(lines)]
+            reduce_parts(parts, 0, b - a, out[a:b], local, scale)
+        if self.cross is not None:
+            self._across_hosts(out[lo:hi], op, postscale)
+        self.barrier()  # every share is reduced, in its rank's output
+        for k, ((pid, _, addr), (a, b)) in enumerate(zip(lines, bounds, strict=True)):
+            if k != self.rank and b > a:
+                self._read(k, pid, addr + a * item, out[a:b])
+        self.barrier()  # no peer reads this rank's memory any more
+        if result is not out:
+            np.copyto(result, out)
+
+    def _read(self, k: int, pid: int, addr: int, dst: np.ndarray) -> np.ndarray:
+        got = _read_from(pid, addr, dst)
+        if got == dst.nbytes:
+            return dst
+        # A peer that died: give the transport a moment to report it the way every rank will.
+        deadline = time.monotonic() + min(self.timeout, 2.0)
+        while time.monotonic() < deadline:
+            self._check_peers()
+            time.sleep(0.01)
+        raise PeerError(f"could not read local rank {k}'s memory (process {pid}): "
+                        f"{os.strerror(-got) if got < 0 else f'{got} of {dst.nbytes} bytes'}")
+
+    def _allreduce_copy(self, src: np.ndarray, out: np.ndarray, op: ReduceOp,
+                        postscale: float) -> None:
+        """Through this rank's segment: see the module docstring."""
+        dtype = src.dtype
+        n = src.size
         mine = self.input_view(n, dtype)
         bounds = even_split(n, self.size)
         lo, hi = bounds[self.rank]
@@ -215,19 +364,13 @@ class ShmAllreduce:
         self._half ^= 1
         self.barrier()
         share = halves[self.rank]  # the peers copy this rank's reduced share from here
-        mirrored = False
-        if self.cross is None:
-            # The result goes to out as well while each block is in cache (unless out is the
-            # segment itself), so the copy-out below skips this rank's share.
-            mirrored = out.ctypes.data != mine.ctypes.data
-            reduce_parts(parts, lo, hi, share, op, postscale, out if mirrored else None)
-        else:
-            # This host's partial result, unscaled; the ring across hosts scales it once.
-            local = ReduceOp.SUM if op == ReduceOp.AVERAGE else op
-            reduce_parts(parts, lo, hi, share, local, 1.0)
-            total = self.size * self.cross.size
-            factor = postscale / total if op == ReduceOp.AVERAGE else postscale
-            algorithms.allreduce(self.cross, share[lo:hi], local, factor)
+        # On a single host the result goes to out as well while each block is in cache (unless
+        # out is the segment itself), so the copy-out below skips this rank's share.
+        mirrored = self.cross is None and out.ctypes.data != mine.ctypes.data
+        reduce_parts(parts, lo, hi, share, *self._local_op(op, postscale),
+                     out if mirrored else None)
+        if self.cross is not None:
+            self._across_hosts(share[lo:hi], op, postscale)
         self.barrier()
         in_place = out.ctypes.data == mine.ctypes.data  # this rank's share is already there
         for k, (a, b) in enumerate(bounds):

@@ -23,6 +23,16 @@ pytestmark = [
 LENGTHS = [0, 1, 7, 30_001]
 
 
+@pytest.fixture(autouse=True, params=["single-copy", "copy"])
+def mode(request, monkeypatch) -> str:
+    """Every test runs twice: ranks reading each other's memory (process_vm_readv; the ranks
+    here are threads of one process, which may), and through the segments, as where ptrace is
+    restricted (the probe at setup fails, so every rank falls back)."""
+    if request.param == "copy":
+        monkeypatch.setattr(shm, "_read_from", lambda pid, addr, dst: -1)  # EPERM
+    return request.param
+
+
 def _leftovers(links) -> list[str]:
     names = {link.shm._name for link in links if link is not None}
     return [f for f in os.listdir("/dev/shm") if f.split("_d")[0].split("_f")[0] in names]
@@ -93,6 +103,7 @@ def test_allreduce_closed_form_and_bitwise_identical(n, local, dtype):
         return got
 
     results = _ranks(n, local, body)
+    assert all(r is not None for r in results)
     for op in ops:
         for length in LENGTHS:
             want = _expected(dtype, op, n, length)
@@ -178,3 +189,39 @@ def test_a_rank_of_another_host_leaving_does_not_fail_a_local_barrier():
         return "passed"
 
     assert _ranks(4, 2, body, timeout=20.0) == ["passed", "passed", "idle", "left"]
+
+
+def test_every_rank_agrees_on_the_mode(mode, monkeypatch):
+    if mode == "single-copy":  # one rank's probe fails: all of them copy
+        real, calls, lock = shm._read_from, [], threading.Lock()
+
+        def first_fails(pid, addr, dst):
+            with lock:
+                calls.append(1)
+                if len(calls) == 1:
+                    return -1
+            return real(pid, addr, dst)
+
+        monkeypatch.setattr(shm, "_read_from", first_fails)
+    assert _ranks(3, 3, lambda rank, link: link.shm.single_copy) == [False] * 3
+
+
+def test_a_peer_whose_memory_cannot_be_read_fails_the_allreduce(mode, monkeypatch):
+    if mode == "copy":
+        pytest.skip("only the single-copy path reads peers' memory")
+    real, victim = shm._read_from, {}
+    monkeypatch.setattr(shm, "_read_from", lambda pid, addr, dst: (
+        -3 if threading.current_thread() is victim.get("thread") else real(pid, addr, dst)))
+
+    def body(rank: int, link):
+        if rank == 1:
+            victim["thread"] = threading.current_thread()  # its reads fail with ESRCH
+            with pytest.raises(PeerError, match="could not read local rank 0's memory"):
+                link.shm.allreduce(np.ones(10, np.float32), np.empty(10, np.float32),
+                                   ReduceOp.SUM)
+            return "failed"
+        with pytest.raises(RingflowTimeoutError, match=r"local ranks \[1\]"):
+            link.shm.allreduce(np.ones(10, np.float32), np.empty(10, np.float32), ReduceOp.SUM)
+        return "timed out"
+
+    assert _ranks(2, 2, body, timeout=1.0) == ["timed out", "failed"]
