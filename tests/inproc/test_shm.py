@@ -30,6 +30,8 @@ def mode(request, monkeypatch) -> str:
     restricted (the probe at setup fails, so every rank falls back)."""
     if request.param == "copy":
         monkeypatch.setattr(shm, "_read_from", lambda pid, addr, dst: -1)  # EPERM
+    else:
+        monkeypatch.setattr(shm, "_host_cpus", lambda: 64)  # as many ranks as any test starts
     return request.param
 
 
@@ -189,6 +191,12 @@ def test_a_rank_of_another_host_leaving_does_not_fail_a_local_barrier():
         return "passed"
 
     assert _ranks(4, 2, body, timeout=20.0) == ["passed", "passed", "idle", "left"]
+
+
+def test_single_copy_only_when_ranks_do_not_outnumber_the_cpus(mode, monkeypatch):
+    monkeypatch.setattr(shm, "_host_cpus", lambda: 2)
+    assert _ranks(2, 2, lambda rank, link: link.shm.single_copy) == [mode == "single-copy"] * 2
+    assert _ranks(3, 3, lambda rank, link: link.shm.single_copy) == [False] * 3
 
 
 def test_every_rank_agrees_on_the_mode(mode, monkeypatch):
