@@ -11,7 +11,7 @@ takes one of two paths, the same on every rank, chosen when the job starts.
 **Single copy** (when every rank may read every other's memory with ``process_vm_readv``: the
 same user, and no ptrace restriction such as Yama's ``ptrace_scope`` 1 or a seccomp filter; each
 rank probes each peer at setup and the ranks agree through the store; and when the local ranks
-do not outnumber the host's CPUs):
+do not outnumber the CPUs they may run on, the union of their affinities):
 
 1. publish the addresses of the input and the output in this rank's flag line; barrier;
 2. reduce share ``r`` in rank order 0..n-1 into the output, block by block: each peer's block is
@@ -115,7 +115,11 @@ if _readv is not None:
                        ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
 
 
-_host_cpus = os.cpu_count
+def _cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity: a cpuset, taskset or ``--bind-to core``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
 
 
 def _read_from(pid: int, addr: int, dst: np.ndarray) -> int:
@@ -181,7 +185,8 @@ class ShmAllreduce:
 
     def _agree_on_single_copy(self) -> bool:
         """Whether every local rank may read every other's memory (``process_vm_readv``: same
-        user, and no ptrace restriction such as Yama's scope 1 or a seccomp filter)."""
+        user, and no ptrace restriction such as Yama's scope 1 or a seccomp filter), and the
+        local ranks do not outnumber the CPUs they may run on together."""
         mine = self._words[self.rank]
         mine[_PID] = os.getpid()
         mine[_SELF] = mine.ctypes.data
@@ -195,14 +200,20 @@ class ShmAllreduce:
                     log.debug("local rank %d cannot read local rank %d's memory (%d)",
                               self.rank, k, got)
                     ok = False
-        # Ranks that outnumber the CPUs time-share them, and then the copy path measured faster
-        # (4 ranks on 2 CPUs, 64 MiB: 35-39 ms against 43-45 ms single copy; 2 ranks on 2
-        # CPUs: 15-16 ms against 12-13).
-        ok = ok and self.size <= (_host_cpus() or 1)
-        self._store.set(f"{self._key}direct/{self.rank}", b"1" if ok else b"0")
+        # Ranks that outnumber the CPUs they may run on (the union of their affinities) time-share
+        # them, and then the copy path measured faster (4 ranks on 2 CPUs, 64 MiB: 35-39 ms
+        # against 43-45 ms single copy; 2 ranks on 2 CPUs: 15-16 ms against 12-13).
+        cpus = ",".join(map(str, sorted(_cpus()))) if ok else "-"
+        self._store.set(f"{self._key}direct/{self.rank}", cpus.encode())
         keys = [f"{self._key}direct/{r}" for r in range(self.size)]
         self._store.wait(keys, self.timeout)
-        return all(self._store.get(key, self.timeout) == b"1" for key in keys)
+        union: set[bytes] = set()
+        for key in keys:
+            value = self._store.get(key, self.timeout)
+            if value == b"-":
+                return False
+            union.update(value.split(b","))
+        return len(union) >= self.size
 
     def _path(self, kind: str, rank: int) -> str:
         return f"{_SHM_DIR}/{self._name}_{kind}{self._gen}_{rank}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 import threading
@@ -31,7 +32,7 @@ def mode(request, monkeypatch) -> str:
     if request.param == "copy":
         monkeypatch.setattr(shm, "_read_from", lambda pid, addr, dst: -1)  # EPERM
     else:
-        monkeypatch.setattr(shm, "_host_cpus", lambda: 64)  # as many ranks as any test starts
+        monkeypatch.setattr(shm, "_cpus", lambda: set(range(64)))  # more than any test's ranks
     return request.param
 
 
@@ -194,9 +195,16 @@ def test_a_rank_of_another_host_leaving_does_not_fail_a_local_barrier():
 
 
 def test_single_copy_only_when_ranks_do_not_outnumber_the_cpus(mode, monkeypatch):
-    monkeypatch.setattr(shm, "_host_cpus", lambda: 2)
+    monkeypatch.setattr(shm, "_cpus", lambda: {0, 1})
     assert _ranks(2, 2, lambda rank, link: link.shm.single_copy) == [mode == "single-copy"] * 2
     assert _ranks(3, 3, lambda rank, link: link.shm.single_copy) == [False] * 3
+    # What counts is the union of the ranks' affinities: two ranks bound to one CPU each...
+    spread = itertools.count()
+    monkeypatch.setattr(shm, "_cpus", lambda: {next(spread)})
+    assert _ranks(2, 2, lambda rank, link: link.shm.single_copy) == [mode == "single-copy"] * 2
+    # ...and two ranks bound to the same CPU.
+    monkeypatch.setattr(shm, "_cpus", lambda: {3})
+    assert _ranks(2, 2, lambda rank, link: link.shm.single_copy) == [False] * 2
 
 
 def test_every_rank_agrees_on_the_mode(mode, monkeypatch):

@@ -121,6 +121,29 @@ def test_bind_to_core_pins_every_thread_of_each_rank_to_its_own_cpus(tmp_path):
     assert f"[1]:rank 1 cpus {[tuple(cpus)]}" in proc.stdout.splitlines(), proc.stdout
 
 
+SHM_MODE = """
+    import numpy as np
+    import ringflow as rf
+
+    rf.init()
+    x = np.arange(1 << 20, dtype=np.float32)
+    ok = np.array_equal(rf.allreduce(x * (rf.rank() + 1), name="x", op=rf.Sum), x * 3)
+    print(f"rank {rf.rank()} single copy {rf._engine.transport.shm.single_copy} ok {ok}")
+    rf.shutdown()
+"""
+
+
+def test_ranks_that_share_one_cpu_take_the_copy_path(tmp_path):
+    """Single copy is for ranks that do not outnumber the CPUs they may run on together."""
+    cpu = min(os.sched_getaffinity(0))
+    proc = subprocess.run([*LAUNCHER, "-np", "2", sys.executable, script(tmp_path, SHM_MODE)],
+                          env=ENV, capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        assert f"[{rank}]:rank {rank} single copy False ok True" in proc.stdout.splitlines()
+
+
 def test_bin_script_and_explicit_hosts(tmp_path):
     body = "import os; print(os.environ['RINGFLOW_RANK'], os.environ['RINGFLOW_SIZE'])"
     proc = subprocess.run(
