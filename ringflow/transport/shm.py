@@ -158,7 +158,7 @@ class ShmAllreduce:
 
     def __init__(
         self, rank: int, size: int, store: Any, prefix: str, timeout: float,
-        check_peers: Callable[[], None],
+        check_peers: Callable[[list[int]], None],
     ) -> None:
         self.rank = rank
         self.size = size
@@ -249,23 +249,25 @@ class ShmAllreduce:
         check = start
         nap = 0.0
         while True:
-            if all(w[_EPOCH] >= epoch for w in words):
+            late = [r for r, w in enumerate(words) if w[_EPOCH] < epoch]
+            if not late:
                 return
             now = time.monotonic()
             if now - start < _SPIN_S:
                 os.sched_yield()  # releases the GIL; gives the core away if anyone else needs it
                 continue
-            time.sleep(nap)
-            nap = min(nap * 2 or 1e-6, 1e-3)
             if now - check > 0.005:
                 check = now
-                self._check_peers()
+                # Only the late ranks: one that reached the barrier may have finished its last
+                # operation and shut down meanwhile, which is no failure of this one.
+                self._check_peers(late)
                 if now - start > self.timeout:
-                    late = [r for r, w in enumerate(words) if w[_EPOCH] < epoch]
                     raise RingflowTimeoutError(
                         f"local ranks {late} did not reach the shared-memory barrier within "
                         f"{self.timeout} s; they may be frozen (RINGFLOW_TIMEOUT_S sets the limit)"
                     )
+            time.sleep(nap)
+            nap = min(nap * 2 or 1e-6, 1e-3)
 
     def _ensure(self, nbytes: int) -> None:
         """Grow every rank's segment to two halves of ``nbytes`` (all ranks decide alike)."""
@@ -357,7 +359,7 @@ class ShmAllreduce:
         # A peer that died: give the transport a moment to report it the way every rank will.
         deadline = time.monotonic() + min(self.timeout, 2.0)
         while time.monotonic() < deadline:
-            self._check_peers()
+            self._check_peers([k])
             time.sleep(0.01)
         raise PeerError(f"could not read local rank {k}'s memory (process {pid}): "
                         f"{os.strerror(-got) if got < 0 else f'{got} of {dst.nbytes} bytes'}")
@@ -440,7 +442,8 @@ def create(rank: int, size: int, store: Any, config: Any, prefix: str = "",
     # not a reason to fail them.
     local = range(host * local_size, (host + 1) * local_size)
     shm = ShmAllreduce(local_rank, local_size, store, f"{prefix}host{host}/",
-                       float(config.timeout_s), lambda: link.check_peers(local))
+                       float(config.timeout_s),
+                       lambda late: link.check_peers([local[r] for r in late]))
     if size > local_size:
         shm.cross = Subset(link, list(range(local_rank, size, local_size)))
     return ShmTransport(link, shm)
