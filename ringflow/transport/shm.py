@@ -55,7 +55,8 @@ total -- the host-level ring bound -- instead of the rank-level ``2 (N-1)/N * B`
 
 Barriers: each rank bumps its flag word to the operation's epoch and waits until every flag has
 reached it, polling (with ``sched_yield``) for up to 200 us, then sleeping progressively longer.
-Every few milliseconds the wait checks the TCP transport for a failed peer and the deadline
+Every few milliseconds the wait checks the TCP transport for a failed peer among the ranks not
+there yet (one that arrived may have finished and shut down since) and the deadline
 (``timeout_s``), so a dead or frozen rank ends the wait with the same errors as on the TCP path.
 Every size takes these paths: even at 4 KiB two flag barriers beat the TCP ring's socket exchanges
 and thread hand-offs (engine path, 2 / 4 ranks, two runs each: 0.50-0.85 / 1.3-1.6 ms against
