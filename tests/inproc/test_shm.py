@@ -196,8 +196,9 @@ def test_a_rank_of_another_host_leaving_does_not_fail_a_local_barrier():
 
 def test_a_rank_that_reached_the_barrier_and_left_does_not_fail_it():
     """Rank 0 reaches the barrier and shuts down, as after its last operation, while rank 1
-    still waits there for a slow rank 2 (a flaky 4-rank engine test: rank 1 checked the peers
-    after a nap without looking at the flags again). Only the late ranks may fail the wait."""
+    still waits there for a slow rank 2 (seen as a flaky 4-rank engine test: a waiting rank
+    checked the peers after a nap without looking at the flags again). Only the late ranks may
+    fail the wait."""
     import time
 
     def body(rank: int, link):
