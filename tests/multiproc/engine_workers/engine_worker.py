@@ -177,9 +177,13 @@ def local_errors(r: int, n: int) -> dict[str, Any]:
     out["bool"] = failure(rf.allreduce, np.ones(3, bool), name="l.bool", op=rf.Average)
     out["root"] = failure(rf.broadcast, x, n, name="l.root")
     # A name submitted again while in flight: that call fails on its rank; the first goes on.
-    h1 = rf.allreduce_async(np.full(4, r + 1.0), name="l.dup", op=rf.Sum)
+    # The others submit it after rank 0's second call, so the first cannot have finished by then.
     if r == 0:
+        h1 = rf.allreduce_async(np.full(4, r + 1.0), name="l.dup", op=rf.Sum)
         out["dup_second"] = wait_failure(rf.allreduce_async(x, name="l.dup"))
+    rf.barrier()
+    if r != 0:
+        h1 = rf.allreduce_async(np.full(4, r + 1.0), name="l.dup", op=rf.Sum)
     out["dup"] = h1.wait(30).tolist()
     got = rf.allreduce(np.full(4, r + 1.0), name="l.after3", op=rf.Sum)
     check(np.array_equal(got, np.full(4, float(tri(n)))), f"op after local errors: {got}")
