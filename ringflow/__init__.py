@@ -21,7 +21,7 @@ import numpy as np
 from . import ops as _ops
 from .compression import Compression, Compressor
 from .config import Config
-from .errors import NotInitializedError, RingflowError, TensorError
+from .errors import AdasumError, NotInitializedError, RingflowError, TensorError
 from .handles import Handle
 from .negotiation import Request
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
@@ -216,58 +216,98 @@ def _check(array: Any, what: str) -> tuple[np.ndarray | None, str]:
     return arr, ""
 
 
-def _check_op(op: str, arr: np.ndarray, name: str, n: int, fields: dict[str, Any]) -> str:
+def _check_op(op: str, arr: np.ndarray, name: str, members: list[int],
+              fields: dict[str, Any]) -> str:
     """Why ``op`` cannot run on ``arr`` with these arguments ("" if it can).
 
     Checked here, before submission, so that the failure reaches every rank as a failed request;
     found by the collective on the engine thread instead, it would end the whole job.
     """
+    n = len(members)
     if op in ("allreduce", "reducescatter") and arr.dtype == np.bool_ and (
         fields["reduce_op"] == ReduceOp.AVERAGE or fields["prescale"] != 1.0
         or fields["postscale"] != 1.0
     ):
         return (f"tensor {name!r} has dtype bool, which cannot be averaged or scaled; use Sum "
                 "(logical or), Min, Max or Product (logical and), or cast to a numeric dtype")
+    if op == "allreduce" and fields["reduce_op"] == ReduceOp.ADASUM and arr.dtype.kind != "f":
+        return (f"allreduce of {name!r} with op Adasum needs a floating-point tensor, got "
+                f"{arr.dtype}; use Sum or Average for integer and bool tensors")
+    if op == "reducescatter" and fields["reduce_op"] == ReduceOp.ADASUM:
+        return (f"reducescatter of {name!r}: Reducescatter currently only supports AVERAGE and "
+                "SUM (Horovod's text); Adasum is an allreduce op")
     if op in ("reducescatter", "alltoall") and arr.ndim == 0:
         return f"{op} of {name!r} splits the first dimension and needs at least 1 dimension"
-    if op == "broadcast" and not 0 <= fields["root"] < n:
-        return (f"broadcast of {name!r}: root rank {fields['root']} is outside 0..{n - 1} "
-                "(the ranks of the process set)")
+    if op == "broadcast" and fields["root"] not in members:
+        if members == list(range(size())):
+            return (f"broadcast of {name!r}: root rank {fields['root']} is outside 0..{n - 1} "
+                    "(the ranks of the job)")
+        return (f"broadcast of {name!r}: root rank {fields['root']} is not a member of the "
+                f"process set {members}; root_rank is a global rank (as in Horovod and "
+                "torch.distributed)")
     if op == "alltoall":
         splits = fields["splits"]
         if len(splits) != n or min(splits, default=0) < 0 or sum(splits) != arr.shape[0]:
             return (f"alltoall of {name!r}: splits {list(splits)} must be {n} non-negative row "
-                    f"counts adding up to the first dimension, {arr.shape[0]}")
+                    f"counts (one per rank of the process set) adding up to the first "
+                    f"dimension, {arr.shape[0]}")
     return ""
 
 
-def _submit(op: str, array: Any, name: str | None, process_set: ProcessSet, out: Any = None,
-            **fields: Any) -> Handle:
-    engine = _need()
-    ps = _set_id(process_set)
-    if not process_set.included():
-        # Only this rank knows: the members never submit this name, so it is refused here
-        # rather than sent to the coordinator, where it would wait for them forever.
-        raise TensorError(f"{op} {name or '(unnamed)'}: rank {rank()} is not a member of "
-                          f"{process_set}; call it only where process_set.included() is true")
-    name = _name(op, name, ps)
+def _request(op: str, array: Any, name: str, process_set: ProcessSet, out: Any = None,
+             **fields: Any) -> tuple[Request, np.ndarray | None, Any]:
+    """The request for ``array`` (carrying the reason if it cannot take part), input, output."""
     arr, error = _check(array, f"tensor {name!r}")
     if out is not None and not error and (
         not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.shape != arr.shape
     ):
         error = f"the output for {name!r} must be a C-contiguous array of shape {arr.shape}"
     if not error:
-        error = _check_op(op, arr, name, process_set.size(), fields)
+        error = _check_op(op, arr, name, process_set._members(), fields)
     request = Request(
         name=name, op=op, dtype="" if arr is None else _ops.dtype_name(arr.dtype),
-        shape=() if arr is None else tuple(arr.shape), process_set=ps, error=error, **fields,
+        shape=() if arr is None else tuple(arr.shape), process_set=process_set.process_set_id,
+        error=error, **fields,
     )
-    return engine.enqueue(request, arr, out)
+    return request, arr, out
+
+
+def _member_set(op: str, name: str | None, process_set: ProcessSet, fields: dict) -> int:
+    ps = _set_id(process_set)
+    n = process_set.size()
+    if op.endswith("allreduce") and fields.get("reduce_op") == ReduceOp.ADASUM and n & (n - 1):
+        # Every member knows the size, so every member raises here alike and nobody waits.
+        raise AdasumError(f"Running Adasum with non-power of 2 ranks is not supported yet "
+                          f"({op} {name or '(unnamed)'} on {n} ranks)")
+    if not process_set.included():
+        # Only this rank knows: the members never submit this name, so it is refused here
+        # rather than sent to the coordinator, where it would wait for them forever.
+        raise TensorError(f"{op} {name or '(unnamed)'}: rank {rank()} is not a member of "
+                          f"{process_set}; call it only where process_set.included() is true")
+    return ps
+
+
+def _submit(op: str, array: Any, name: str | None, process_set: ProcessSet, out: Any = None,
+            **fields: Any) -> Handle:
+    engine = _need()
+    ps = _member_set(op, name, process_set, fields)
+    return engine.enqueue(*_request(op, array, _name(op, name, ps), process_set, out, **fields))
+
+
+def _submit_group(op: str, arrays: Sequence[Any], name: str | None, process_set: ProcessSet,
+                  outs: Sequence[Any] | None = None, **fields: Any) -> _GroupHandle:
+    """Submit ``arrays`` as one group: negotiated together, and refused together at the call."""
+    engine = _need()
+    ps = _member_set(f"grouped_{op}", name, process_set, fields)
+    base = _name(f"grouped_{op}", name, ps)
+    items = [_request(op, a, f"{base}.{i}", process_set, None if outs is None else outs[i],
+                      group=base, group_size=len(arrays), **fields)
+             for i, a in enumerate(arrays)]
+    return _GroupHandle(base, engine.enqueue_many(items))
 
 
 def _scales(op: ReduceOp | int | None, prescale: float, postscale: float) -> dict[str, Any]:
     op = ReduceOp.AVERAGE if op is None else ReduceOp(op)
-    _ops.ufunc(op)  # Adasum: a clear error here rather than on the engine thread
     return {"reduce_op": int(op), "prescale": float(prescale), "postscale": float(postscale)}
 
 
@@ -292,15 +332,9 @@ def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
                             compression: Compressor = Compression.none,
                             outs: Sequence[Any] | None = None) -> _GroupHandle:
     """Allreduce a list of tensors negotiated together and fused into as few buffers as fit."""
-    ps = _set_id(process_set)
-    base = _name("grouped_allreduce", name, ps)
-    handles = [
-        _submit("allreduce", t, f"{base}.{i}", process_set, out=None if outs is None else outs[i],
-                compression=compression.name, group=base, group_size=len(tensors),
-                **_scales(op, prescale_factor, postscale_factor))
-        for i, t in enumerate(tensors)
-    ]
-    return _GroupHandle(base, handles)
+    return _submit_group("allreduce", tensors, name, process_set, outs,
+                         compression=compression.name,
+                         **_scales(op, prescale_factor, postscale_factor))
 
 
 def grouped_allreduce(tensors: Sequence[Any], *args: Any, **kwargs: Any) -> list[np.ndarray]:
@@ -321,14 +355,8 @@ def allgather(tensor: Any, *args: Any, **kwargs: Any) -> np.ndarray:
 
 def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> _GroupHandle:
-    ps = _set_id(process_set)
-    base = _name("grouped_allgather", name, ps)
-    handles = [
-        _submit("allgather", np.reshape(t, (1,)) if np.ndim(t) == 0 else t, f"{base}.{i}",
-                process_set, group=base, group_size=len(tensors))
-        for i, t in enumerate(tensors)
-    ]
-    return _GroupHandle(base, handles)
+    return _submit_group("allgather", [np.reshape(t, (1,)) if np.ndim(t) == 0 else t
+                                       for t in tensors], name, process_set)
 
 
 def grouped_allgather(tensors: Sequence[Any], *args: Any, **kwargs: Any) -> list[np.ndarray]:
@@ -337,10 +365,12 @@ def grouped_allgather(tensors: Sequence[Any], *args: Any, **kwargs: Any) -> list
 
 def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set, out: Any = None) -> Handle:
-    """Every rank receives ``root_rank``'s tensor (``root_rank`` is a rank of the set)."""
-    root = int(root_rank)
-    handle = _submit("broadcast", tensor, name, process_set, out=out, root=root)
-    return handle
+    """Every rank of ``process_set`` receives ``root_rank``'s tensor.
+
+    ``root_rank`` is a global rank, as in Horovod 0.28 and torch.distributed; it must be a member
+    of ``process_set`` (otherwise the broadcast fails on every member).
+    """
+    return _submit("broadcast", tensor, name, process_set, out=out, root=int(root_rank))
 
 
 def broadcast(tensor: Any, root_rank: int, *args: Any, **kwargs: Any) -> np.ndarray:
@@ -367,9 +397,10 @@ def alltoall(tensor: Any, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.nda
 
 def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp | None = None,
                         process_set: ProcessSet = global_process_set,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        compression: Compressor = Compression.none) -> Handle:
     """Reduce, then give each rank its share of rows (lower ranks take the remainder)."""
-    return _submit("reducescatter", tensor, name, process_set,
+    return _submit("reducescatter", tensor, name, process_set, compression=compression.name,
                    **_scales(op, prescale_factor, postscale_factor))
 
 
@@ -380,16 +411,11 @@ def reducescatter(tensor: Any, *args: Any, **kwargs: Any) -> np.ndarray:
 def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
                                 op: ReduceOp | None = None,
                                 process_set: ProcessSet = global_process_set,
-                                prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> _GroupHandle:
-    ps = _set_id(process_set)
-    base = _name("grouped_reducescatter", name, ps)
-    handles = [
-        _submit("reducescatter", t, f"{base}.{i}", process_set, group=base,
-                group_size=len(tensors), **_scales(op, prescale_factor, postscale_factor))
-        for i, t in enumerate(tensors)
-    ]
-    return _GroupHandle(base, handles)
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                compression: Compressor = Compression.none) -> _GroupHandle:
+    return _submit_group("reducescatter", tensors, name, process_set,
+                         compression=compression.name,
+                         **_scales(op, prescale_factor, postscale_factor))
 
 
 def grouped_reducescatter(tensors: Sequence[Any], *args: Any, **kwargs: Any) -> list[np.ndarray]:

@@ -25,11 +25,12 @@
    rank 0 of ``MPI.COMM_WORLD`` draws a fresh secret, starts a store -- on 127.0.0.1 when every
    rank is on its host, else on ``RINGFLOW_BIND_ADDR`` or the address its host name resolves to --
    and broadcasts (address, port, secret) over MPI, which is the launcher's own channel; an error
-   on rank 0 is broadcast too, so no rank waits. This process's ``RINGFLOW_RENDEZVOUS_ADDR/PORT``
-   are then set (where unset) so that the data transport binds on the interface that routes there.
+   on rank 0 is broadcast too, so no rank waits. Nothing is written to the environment, so a
+   later ``init()`` (after ``shutdown()``) takes the same path and gets a fresh store and secret.
 
 Otherwise :class:`~ringflow.errors.ConfigError` says which of these to set up. A store started
-here lives until the process exits.
+here lives until the process exits (a later ``init()`` reuses the one at a fixed port; keys of
+each ``init()`` have their own prefix).
 
 ``ringflow.init(comm=...)`` (an mpi4py communicator) skips the environment: :func:`comm_info`
 derives the RankInfo from the communicator, and ``connect_store(..., comm=comm)`` runs step 3
@@ -52,13 +53,14 @@ from .topology import RankInfo
 
 __all__ = ["comm_info", "connect_store"]
 
-_servers: list[Any] = []
+# Stores this process serves, by (address, port); a fixed-port one is reused by a later init().
+_servers: dict[tuple[str, int], Any] = {}
 
 
 def _close_servers() -> None:
     while _servers:
         with contextlib.suppress(RingflowError, OSError):
-            _servers.pop().close()
+            _servers.popitem()[1].close()
 
 
 atexit.register(_close_servers)
@@ -151,9 +153,10 @@ def _served_by_rank0(info: RankInfo, addr: str, env: Mapping[str, str], timeout:
             f"missing ({exc}); write a secret (hex) to a file readable only by you and set "
             "RINGFLOW_SECRET_FILE to it on every rank"
         ) from exc
-    if info.rank == 0:
+    if info.rank == 0 and (addr, port) not in _servers:
         try:
-            _servers.append(rendezvous.StoreServer(secret, host=addr, port=port, timeout=timeout))
+            _servers[addr, port] = rendezvous.StoreServer(secret, host=addr, port=port,
+                                                         timeout=timeout)
         except ConfigError as exc:
             raise ConfigError(
                 f"rank 0 cannot start the rendezvous store at RINGFLOW_RENDEZVOUS_ADDR={addr!r} "
@@ -197,7 +200,7 @@ def _over_mpi(mpi: Any, info: RankInfo, timeout: float, comm: Any = None) -> Any
         try:
             secret = wire.new_secret()
             server = rendezvous.StoreServer(secret, _mpi_store_host(info), 0, timeout)
-            _servers.append(server)
+            _servers[server.host, server.port] = server
             message = ("ok", server.host, str(server.port), secret.hex())
         except (RingflowError, OSError) as exc:
             message = ("error", f"{type(exc).__name__}: {exc}")
@@ -207,6 +210,4 @@ def _over_mpi(mpi: Any, info: RankInfo, timeout: float, comm: Any = None) -> Any
     if message[0] != "ok":
         raise ConfigError(f"rank 0 could not start the rendezvous store: {message[1]}")
     _, host, port, secret_hex = message
-    os.environ.setdefault("RINGFLOW_RENDEZVOUS_ADDR", host)
-    os.environ.setdefault("RINGFLOW_RENDEZVOUS_PORT", port)
     return rendezvous.TCPStore(host, int(port), bytes.fromhex(secret_hex), timeout)

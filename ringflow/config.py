@@ -50,8 +50,15 @@ class Config:
     timeout_s: float = 30.0
     #: Warn when some ranks have submitted a tensor and others have not for this long.
     stall_warning_s: float = 60.0
-    #: Fail the tensor on every rank when the stall lasts this long; 0 disables.
+    #: Fail the job on every rank when a stall lasts this long; 0 disables. Long, because the
+    #: rank the others wait for may be busy on its own (evaluating, writing a checkpoint).
     stall_shutdown_s: float = 600.0
+    #: Fail the job sooner when the stall is a deadlock: every rank that a collective waits for
+    #: is itself waiting in another collective (ranks called collectives in different orders, or
+    #: one skipped a collective), with no submission for this long; 0 disables. 30 s: long
+    #: enough for any gap between two asynchronous submissions of a training step, short
+    #: enough that a test file with a bug fails in seconds, not in ten minutes (DESIGN.md §3).
+    deadlock_shutdown_s: float = 30.0
     #: Write a Chrome-trace timeline here (rank 0); empty disables.
     timeline_path: str = ""
     #: Level of the ``ringflow`` logger: debug, info, warning, error.
@@ -75,6 +82,7 @@ class Config:
             "timeout_s": self.timeout_s > 0,
             "stall_warning_s": self.stall_warning_s >= 0,
             "stall_shutdown_s": self.stall_shutdown_s >= 0,
+            "deadlock_shutdown_s": self.deadlock_shutdown_s >= 0,
             "log_level": self.log_level.lower() in ("debug", "info", "warning", "error"),
             "bind_to": self.bind_to in ("none", "core"),
         }

@@ -60,7 +60,7 @@ from .config import Config
 from .errors import PeerError, RingflowError, ShutdownError
 from .handles import Handle
 from .negotiation import EAGER_BYTES, CachedAllreduce, Coordinator, Request, Response, ResponseCache
-from .ops import DTYPES, ReduceOp
+from .ops import DTYPES, ReduceOp, scale_into
 from .timeline import Timeline, path_for_rank
 from .transport import Subset
 
@@ -111,7 +111,7 @@ class Engine:
         self._depth = 0  # nesting of _control() blocks in the thread holding _lock
         self._finished: list[tuple[Handle, Any, BaseException | None]] = []
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._queued = 0  # entries in the inbox not yet accepted
+        self._queued: set[Key] = set()  # entries in the inbox not yet accepted
         self._pending: dict[Key, Entry] = {}
         self._submitted: dict[Key, Request] = {}
         # Plan items for the engine thread, in plan order: (item, entries, transport, result).
@@ -165,22 +165,39 @@ class Engine:
 
     # framework side ----------------------------------------------------------------------------
     def enqueue(self, request: Request, array: np.ndarray | None = None, out: Any = None) -> Handle:
+        return self.enqueue_many([(request, array, out)])[0]
+
+    def enqueue_many(self, items: list[tuple[Request, np.ndarray | None, Any]]) -> list[Handle]:
+        """Hand ``(request, input, output)`` items to the engine; their handles, in order.
+
+        Raises:
+            TensorError: a name is already in flight on this rank (none of ``items`` is taken,
+                as Horovod checks a whole group before it enqueues any of it).
+            HorovodInternalError: the job has failed (its error, naming the cause) or was shut
+                down; every later call raises it until ``shutdown()`` and ``init()``.
+        """
         with self._control():
-            busy = bool(self._pending or self._queued or self._closed)
-            entry = Entry(request, array, out,
-                          Handle(request.name, 0.0 if busy else _LONE_SPIN_S))  # see Handle
             if self._refuse is not None:
-                self._done(entry.handle, error=_clone(self._refuse))
-            elif busy:
+                raise _clone(self._refuse)
+            busy = bool(self._pending or self._queued or self._closed)
+            for request, _, _ in items:
+                if request.key in self._pending or request.key in self._queued:
+                    raise errors.TensorError(
+                        f"tensor {request.name!r} was submitted again while it was in flight; "
+                        "wait for the first handle or use another name")
+            spin = 0.0 if busy else _LONE_SPIN_S  # see Handle
+            entries = [Entry(r, a, o, Handle(r.name, spin)) for r, a, o in items]
+            if busy:
                 # The engine thread batches what arrives meanwhile into one submission.
-                self._queued += 1
-                self._inbox.put(("enqueue", entry))
+                for entry in entries:
+                    self._queued.add(entry.request.key)
+                    self._inbox.put(("enqueue", entry))
             else:
                 try:
-                    self._submit_entries([entry])  # idle: no reason to wake another thread
-                except Exception as exc:  # the engine thread fails the job (and this entry)
+                    self._submit_entries(entries)  # idle: no reason to wake another thread
+                except Exception as exc:  # the engine thread fails the job (and these entries)
                     self._inbox.put(("error", exc))
-        return entry.handle
+        return [entry.handle for entry in entries]
 
     def shutdown(self) -> None:
         """Fail what is pending, stop the threads, and close the transport (with a goodbye)."""
@@ -281,7 +298,7 @@ class Engine:
         for item in items:
             kind = item[0]
             if kind == "enqueue":
-                self._queued -= 1
+                self._queued.discard(item[1].request.key)
                 entries.append(item[1])
             elif kind == "ctrl":
                 self._on_message(item[2])
@@ -327,12 +344,6 @@ class Engine:
     def _accept(self, entry: Entry, requests: list[Request], bits: list[int],
                 data: list[np.ndarray | None]) -> None:
         req = entry.request
-        if req.key in self._pending:
-            # Only this call fails; the first one goes on (no other rank waits for this one).
-            why = (f"tensor {req.name!r} was submitted again while it was in flight; wait for "
-                   "the first handle or use another name")
-            self._done(entry.handle, error=errors.TensorError(why))
-            return
         self._pending[req.key] = entry
         if self._timeline is not None:
             self._timeline.begin(req.name, f"NEGOTIATE_{req.op.upper()}")
@@ -381,7 +392,8 @@ class Engine:
                 return
         if self.coordinator is not None:
             warnings, fatal = self.coordinator.stalled(
-                self.config.stall_warning_s, self.config.stall_shutdown_s)
+                self.config.stall_warning_s, self.config.stall_shutdown_s,
+                self.config.deadlock_shutdown_s)
             for text in warnings:
                 log.warning("ringflow stall: %s", text)
             if fatal:
@@ -443,7 +455,7 @@ class Engine:
                 except queue.Empty:
                     break
                 if item[0] == "enqueue":
-                    self._queued -= 1
+                    self._queued.discard(item[1].request.key)
                     self._done(item[1].handle, error=_clone(error))
                 else:
                     keep.append(item)  # a "stop" must still stop the thread
@@ -588,19 +600,27 @@ class Engine:
         (entry,) = entries
         req = item.requests[0]
         if op == "broadcast":
-            out = _output(entry, req)
-            if out is not entry.array:
-                np.copyto(out, entry.array)
-            algorithms.broadcast(t, out.reshape(-1), req.root)
+            if entry is None:  # a joined rank relays the root's data (the root has not joined)
+                out = np.empty(req.shape, DTYPES[req.dtype])
+            else:
+                out = _output(entry, req)
+                if out is not entry.array:
+                    np.copyto(out, entry.array)
+            # root_rank is global; the transport of a process set counts ranks within the set
+            root = self.process_sets[item.process_set].index(req.root)
+            algorithms.broadcast(t, out.reshape(-1), root)
             return [out]
         if op == "alltoall":
             # Splits differ by rank: each rank sends by its own request, not the reference one.
             return [algorithms.alltoall(t, entry.array, list(entry.request.splits))]
         if op == "reducescatter":
-            buf = entry.array
+            buf, wire = entry.array, req.wire_dtype  # casting to the wire dtype compresses
             if req.prescale != 1.0:
-                buf = _scaled(buf, req.prescale, buf.dtype)
-            return [algorithms.reducescatter(t, buf, ReduceOp(req.reduce_op), req.postscale)]
+                buf = _scaled(buf, req.prescale, wire)
+            elif buf.dtype != wire:
+                buf = buf.astype(wire)
+            out = algorithms.reducescatter(t, buf, ReduceOp(req.reduce_op), req.postscale)
+            return [out.astype(entry.array.dtype, copy=False)]
         raise AssertionError(f"no data-plane execution for {op}")
 
     def _allreduce(self, t: Any, item: Response, entries: list[Entry | None]) -> list[Any]:
@@ -610,20 +630,22 @@ class Engine:
         reduce_op = ReduceOp(ref.reduce_op)
         sizes = [math.prod(r.shape) for r in refs]
         total = sum(sizes)
+        adasum = reduce_op == ReduceOp.ADASUM  # its own algorithm: always through a buffer
         # The ranks of one host reduce in shared memory (transport/shm.py), at every size.
-        shm = getattr(t, "shm", None)
+        shm = None if adasum else getattr(t, "shm", None)
         e0 = entries[0]
-        if len(refs) == 1 and e0 is not None and e0.array is not None and e0.array.dtype == wire:
+        if (len(refs) == 1 and not adasum and e0 is not None and e0.array is not None
+                and e0.array.dtype == wire):
             out = _output(e0, ref)
             if shm is not None:
                 src = e0.array.reshape(-1)
                 if ref.prescale != 1.0:
                     src = shm.input_view(total, wire)
-                    np.multiply(e0.array.reshape(-1), ref.prescale, out=src, casting="unsafe")
+                    scale_into(e0.array.reshape(-1), ref.prescale, src)
                 shm.allreduce(src, out.reshape(-1), reduce_op, ref.postscale)
                 return [out]
             if ref.prescale != 1.0:
-                np.multiply(e0.array, ref.prescale, out=out, casting="unsafe")
+                scale_into(e0.array, ref.prescale, out)
             elif out is not e0.array:
                 np.copyto(out, e0.array)
             _allreduce_on(t, out.reshape(-1), reduce_op, ref.postscale)
@@ -635,11 +657,15 @@ class Engine:
             if entry is None or entry.array is None:
                 view.fill(0)
             elif ref.prescale != 1.0:
-                np.multiply(entry.array.reshape(-1), ref.prescale, out=view, casting="unsafe")
+                scale_into(entry.array.reshape(-1), ref.prescale, view)
             else:
                 np.copyto(view, entry.array.reshape(-1), casting="unsafe")
             offset += n
-        if shm is not None:
+        if adasum:
+            algorithms.adasum(t, buf, sizes)
+            if ref.postscale != 1.0:
+                scale_into(buf, ref.postscale, buf)
+        elif shm is not None:
             shm.allreduce(buf, buf, reduce_op, ref.postscale)
         else:
             _allreduce_on(t, buf, reduce_op, ref.postscale)
@@ -703,7 +729,7 @@ def _output(entry: Entry, req: Request) -> np.ndarray:
 
 def _scaled(array: np.ndarray, factor: float, dtype: np.dtype) -> np.ndarray:
     out = np.empty(array.shape, dtype)
-    np.multiply(array, factor, out=out, casting="unsafe")
+    scale_into(array, factor, out)
     return out
 
 
@@ -711,7 +737,8 @@ def _eager_input(entry: Entry) -> np.ndarray | None:
     """What this rank sends with a cache bit so that rank 0 can reduce the tensor itself: the
     prescaled tensor in its wire dtype, for allreduces of at most ``EAGER_BYTES``."""
     req, arr = entry.request, entry.array
-    if req.op != "allreduce" or arr is None or req.nbytes > EAGER_BYTES:
+    if (req.op != "allreduce" or arr is None or req.nbytes > EAGER_BYTES
+            or req.reduce_op == ReduceOp.ADASUM):
         return None
     flat = arr.reshape(-1)
     wire = req.wire_dtype

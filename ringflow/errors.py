@@ -3,13 +3,22 @@
 Every error ringflow raises derives from :class:`RingflowError` *and* the closest builtin, so that
 ``except ValueError`` in user code keeps working. Messages say what failed, which tensor and ranks,
 expected versus actual, and the fix.
+
+Every error a collective can raise -- at the call (a duplicate name, a tensor that cannot take
+part) or from its handle (a mismatch, a stall, a dead peer, a shutdown) -- is also a
+:class:`HorovodInternalError`, the ``RuntimeError`` that Horovod 0.28 raises when a collective
+fails, so ``except hvd.HorovodInternalError`` (Horovod's elastic-training idiom) catches it while
+``except ValueError`` still catches a misuse. Errors of configuration and launching are not.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "AdasumError",
     "AuthenticationError",
     "ConfigError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "LaunchError",
     "MismatchError",
     "NotInitializedError",
@@ -28,6 +37,19 @@ class RingflowError(Exception):
     """Base class of every ringflow error."""
 
 
+class HorovodInternalError(RingflowError, RuntimeError):
+    """A collective failed (Horovod's name; the base of every error a collective raises)."""
+
+
+class HostsUpdatedInterrupt(RingflowError, RuntimeError):
+    """Horovod's elastic interrupt: the set of hosts changed. ringflow jobs do not resize, so it
+    is never raised; it exists for code that catches it. ``skip_sync`` as in Horovod."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__(f"the hosts of the job were updated (skip_sync={skip_sync})")
+        self.skip_sync = skip_sync
+
+
 class ConfigError(RingflowError, ValueError):
     """A RINGFLOW_* variable, flag or argument has a value that cannot be used."""
 
@@ -36,23 +58,28 @@ class NotInitializedError(RingflowError, ValueError):
     """An operation needs ``init()`` first (Horovod raises ValueError here too)."""
 
 
-class TensorError(RingflowError, ValueError):
+class TensorError(HorovodInternalError, ValueError):
     """A tensor cannot take part in a collective (dtype, layout, duplicate name, ...)."""
 
 
-class MismatchError(RingflowError, ValueError):
+class MismatchError(HorovodInternalError, ValueError):
     """Ranks submitted the same tensor name with different op, dtype, shape, root, ..."""
+
+
+class AdasumError(HorovodInternalError, NotImplementedError):
+    """Adasum over a number of ranks that is not a power of two (Horovod raises
+    NotImplementedError with the same text, at the call)."""
 
 
 class RingflowTimeoutError(RingflowError, TimeoutError):
     """Something did not happen within its deadline."""
 
 
-class StallError(RingflowTimeoutError):
+class StallError(RingflowTimeoutError, HorovodInternalError):
     """Some ranks submitted a tensor and others did not, for longer than the stall limit."""
 
 
-class PeerError(RingflowError, ConnectionError):
+class PeerError(HorovodInternalError, ConnectionError):
     """A peer rank died, closed its connection, or could not be reached."""
 
 
@@ -64,7 +91,7 @@ class ProtocolError(PeerError):
     """A peer sent bytes that do not follow the wire protocol (garbage, bad length, ...)."""
 
 
-class ShutdownError(RingflowError, RuntimeError):
+class ShutdownError(HorovodInternalError):
     """The engine was shut down (or failed) while the operation was pending."""
 
 

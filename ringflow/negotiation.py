@@ -58,7 +58,7 @@ EAGER_BYTES = 64 * 1024
 
 _CACHEABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter"})
 # Ops that may proceed while some ranks have joined: the joined ranks contribute nothing.
-_JOINABLE = frozenset({"allreduce", "allgather", "barrier"})
+_JOINABLE = frozenset({"allreduce", "allgather", "broadcast", "barrier"})
 
 
 @functools.cache
@@ -191,6 +191,7 @@ class Coordinator:
         self.gone: dict[int, str] = {}
         self.next_set_id = 1
         self.holding = False  # see plan()
+        self.last_change = time.monotonic()  # last submission or plan (see stalled())
         self._ready_since: float | None = None
         self.stats = {"negotiated": 0, "cache_hits": 0, "plans": 0, "fused_items": 0}
 
@@ -211,6 +212,7 @@ class Coordinator:
             self._add(rank, req, via_bit=False)
 
     def _add(self, rank: int, req: Request, via_bit: bool) -> None:
+        self.last_change = time.monotonic()
         key = req.key
         slot = self.table.setdefault(key, {})
         if rank in slot and not req.error:
@@ -283,7 +285,7 @@ class Coordinator:
             ref = item.requests[0]
             cached_allreduce = cached and item.op == "allreduce"
             eager = (cached_allreduce and not item.joined and payload is not None
-                     and len(payload) == len(slot))
+                     and len(payload) == len(slot) and ref.reduce_op != ReduceOp.ADASUM)
             fkey = (item.op, key[0], ref.wire_dtype, ref.reduce_op, ref.prescale,
                     ref.postscale, ref.device, item.joined, cached_allreduce, eager)
             fusable.setdefault(fkey, []).append((item, payload if eager else None))
@@ -294,6 +296,7 @@ class Coordinator:
             self.joined = []
         if items:
             self.stats["plans"] += 1
+            self.last_change = time.monotonic()
         return items
 
     def _ready(self, key: Key, slot: dict[int, Request]) -> bool:
@@ -330,7 +333,15 @@ class Coordinator:
             return _error(
                 first,
                 f"ranks {list(joined)} have joined, so they cannot take part in {first.op} "
-                f"{first.name!r}; only allreduce, allgather and barrier proceed past join()",
+                f"{first.name!r}; only allreduce, allgather, broadcast and barrier proceed past "
+                "join()",
+                "TensorError",
+            )
+        if first.op == "broadcast" and first.root in joined:
+            return _error(
+                first,
+                f"broadcast of {first.name!r}: root rank {first.root} has joined, so it has no "
+                "tensor to send; broadcast from a rank that has not called join()",
                 "TensorError",
             )
         self.known[key] = dict(slot)
@@ -385,14 +396,27 @@ class Coordinator:
         flush()
         return out
 
-    def stalled(self, warn_after: float, fail_after: float) -> tuple[list[str], str]:
-        """Warnings for names waiting past ``warn_after`` s; a fatal message past ``fail_after``."""
+    def stalled(self, warn_after: float, fail_after: float,
+                deadlock_after: float = 0.0) -> tuple[list[str], str]:
+        """Warnings for names waiting past ``warn_after`` s; a fatal message past ``fail_after``,
+        or past ``deadlock_after`` for a deadlock (0 disables either).
+
+        A *deadlock* is a stall in which every rank that some name waits for has itself
+        submitted a name that waits for others (ranks issued collectives in different orders,
+        or one skipped a collective and went on to the next), and nothing was submitted or
+        planned for ``deadlock_after`` s. With blocking calls nobody can go on, so it is failed
+        long before ``fail_after``, which is sized for a rank that is merely busy elsewhere
+        (evaluating, writing a checkpoint) while the others wait.
+        """
         now = time.monotonic()
         warnings: list[str] = []
+        waits: list[tuple[Key, list[int], list[int]]] = []
         for key, since in self.first_seen.items():
             waited = now - since
             slot = self.table[key]
-            missing = sorted(set(self.members(key[0])) - set(slot) - set(self.joined))
+            missing = sorted(set(self.members(key[0])) - set(slot) - set(self.joined)
+                             - set(self.gone))
+            waits.append((key, sorted(slot), missing))
             text = (
                 f"tensor {key[1]!r} has waited {waited:.0f} s: submitted by ranks "
                 f"{sorted(slot)}, missing ranks {missing}"
@@ -405,6 +429,19 @@ class Coordinator:
             if warn_after and waited > warn_after and key not in self.warned:
                 self.warned.add(key)
                 warnings.append(text)
+        awaited = {r for _, _, missing in waits for r in missing}
+        waiting = {r for _, slot, _ in waits for r in slot}
+        if (deadlock_after and awaited and awaited <= waiting
+                and now - self.last_change > deadlock_after):
+            parts = "; ".join(f"{key[1]!r} submitted by ranks {slot}, missing ranks {missing}"
+                              for key, slot, missing in waits if missing)
+            return warnings, (
+                f"deadlock: every rank that a collective waits for is itself waiting in another "
+                f"one, and nothing changed for {now - self.last_change:.0f} s: {parts}. The "
+                f"ranks called collectives in different orders, or one skipped a collective; "
+                f"pass the same names in the same order on every rank. "
+                f"RINGFLOW_DEADLOCK_SHUTDOWN_S sets this limit."
+            )
         return warnings, ""
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "check_dtype",
     "dtype_name",
     "is_float16ish",
+    "scale_into",
     "ufunc",
 ]
 
@@ -96,3 +97,15 @@ def dtype_name(dtype: np.dtype) -> str:
 def is_float16ish(dtype: np.dtype) -> bool:
     """16-bit floats, whose sums ringflow accumulates in float32."""
     return dtype == np.float16 or dtype == BFLOAT16
+
+
+def scale_into(src: np.ndarray, factor: float, out: np.ndarray) -> None:
+    """``out[...] = src * factor`` with Horovod's CPU arithmetic (``ScaleBuffer``).
+
+    16-bit floats and float32 are multiplied in float32 by the factor rounded to float32, and
+    rounded once into ``out`` (numpy's own float16 loop would first round the factor to 16
+    bits); float64 and integers are multiplied in float64, and integers truncated toward zero,
+    like C's conversion. ``out`` may be ``src``, or an array of another dtype (a wire dtype).
+    """
+    wide = np.float32 if is_float16ish(src.dtype) or src.dtype == np.float32 else np.float64
+    np.multiply(src, wide(factor), out=out, dtype=wide, casting="unsafe")

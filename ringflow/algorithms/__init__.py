@@ -4,6 +4,7 @@
   on every rank) and :func:`reducescatter`.
 - :mod:`.gather`: :func:`allgather` (ring, uneven first dimensions), :func:`broadcast` (pipelined
   chain), :func:`alltoall` (pairwise, uneven splits) and :func:`barrier` (dissemination).
+- :mod:`.adasum`: :func:`adasum` (Adasum, vector halving / distance doubling, per tensor).
 - :mod:`.buffers`: how arrays are cut into messages; :data:`~.buffers.CHUNK_BYTES` is the pipeline
   chunk size (patch ``ringflow.algorithms.buffers.CHUNK_BYTES`` to change it).
 
@@ -12,12 +13,14 @@ Each module's docstring is its specification: steps, invariants and cost per ran
 
 from __future__ import annotations
 
+from .adasum import adasum
 from .buffers import CHUNK_BYTES, even_split
 from .gather import allgather, alltoall, barrier, broadcast
 from .ring import allreduce, reducescatter
 
 __all__ = [
     "CHUNK_BYTES",
+    "adasum",
     "allgather",
     "allreduce",
     "alltoall",

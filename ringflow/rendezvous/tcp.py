@@ -258,6 +258,13 @@ class TCPStore(_Base):
     def delete(self, key: str) -> bool:
         return self._call(_DELETE, [_check_key(key)]) == b"\x01"
 
+    def local_address(self) -> str:
+        """This end's address on the connection to the server: the interface that routes there."""
+        sock = self._sock
+        if sock is None:
+            raise PeerError("the store client is closed")
+        return str(sock.getsockname()[0])
+
     def close(self) -> None:
         # Without the lock, so that close() from another thread interrupts a waiting get().
         sock, self._sock = self._sock, None

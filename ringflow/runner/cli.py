@@ -191,6 +191,7 @@ def worker_overrides(args: argparse.Namespace) -> dict[str, str]:
            if getattr(args, dest) is not None}
     if args.no_stall_check:
         env["RINGFLOW_STALL_WARNING_S"] = env["RINGFLOW_STALL_SHUTDOWN_S"] = "0"
+        env["RINGFLOW_DEADLOCK_SHUTDOWN_S"] = "0"
     return env
 
 

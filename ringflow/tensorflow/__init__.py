@@ -15,7 +15,8 @@ Every collective works eagerly and inside ``tf.function`` and is differentiable 
 - ``Compression`` is the core's: the engine casts while fusing, and 16-bit sums accumulate in
   float32; ``Compression.bf16`` is added. A custom compressor with TensorFlow
   ``compress``/``decompress`` methods is still applied around the allreduce, as in Horovod.
-- Adasum is not supported (the core raises a clear error).
+- ``op=Adasum`` runs the Adasum algorithm on the CPU (a power of two ranks), in any process set
+  (Horovod: the global set only).
 - ``device_dense`` / ``device_sparse`` are accepted and ignored: data moves through host memory.
 - ``num_groups``/``groups`` decide which gradients are negotiated together; fusion itself is the
   engine's and happens either way. Without them a tape reduces all its dense gradients as one
@@ -60,6 +61,7 @@ from ringflow import (
     start_timeline,
     stop_timeline,
 )
+from ringflow import _adapter as kit
 from ringflow.build import (
     ccl_built,
     cuda_built,
@@ -74,7 +76,7 @@ from ringflow.build import (
     rocm_built,
 )
 from ringflow.compression import Compressor
-from ringflow.errors import TensorError
+from ringflow.errors import HorovodInternalError, HostsUpdatedInterrupt
 
 from .functions import allgather_object, broadcast_object, broadcast_object_fn, broadcast_variables
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
@@ -83,7 +85,6 @@ from .mpi_ops import (
     _allreduce,
     _grouped_allreduce,
     _grouped_reducescatter,
-    _reducescatter,
     allgather,
     alltoall,
     barrier,
@@ -105,6 +106,8 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedGradientTape",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "PartialDistributedGradientTape",
@@ -174,15 +177,6 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     return ps
 
 
-def _resolve_op(op: ReduceOp | int | None, average: bool | None) -> ReduceOp:
-    """Horovod's handling of the deprecated ``average`` flag next to ``op``."""
-    if op is not None and average is not None:
-        raise ValueError("allreduce: pass op= or the deprecated average=, not both")
-    if average is not None:
-        return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    return ReduceOp.AVERAGE if op is None else ReduceOp(op)
-
-
 @_plain
 def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
               device_sparse: str = "", compression: Any = Compression.none,
@@ -199,30 +193,21 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     Raises:
         TensorError: a sparse tensor with an op other than Sum or Average.
     """
-    reduce_op = _resolve_op(op, average)
+    reduce_op = kit.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            raise TensorError(
-                f"allreduce of tf.IndexedSlices {name or ''!s} supports op Sum or Average, not "
-                f"{reduce_op.name}; pass sparse_as_dense=True or convert with tf.convert_to_tensor"
-            )
-        values = allgather(tensor.values, None if name is None else f"{name}.values",
-                           ignore_name_scope, process_set)
-        indices = allgather(tensor.indices, None if name is None else f"{name}.indices",
-                            ignore_name_scope, process_set)
-        if reduce_op == ReduceOp.AVERAGE:
-            values = values / tf.cast(process_set.size(), values.dtype)
-        if prescale_factor != 1.0 or postscale_factor != 1.0:
-            values = values * tf.cast(prescale_factor * postscale_factor, values.dtype)
+        scale = kit.sparse_scale(reduce_op, prescale_factor, postscale_factor, process_set, name)
+        values, indices = grouped_allgather(
+            [tensor.values, tensor.indices], kit.op_name("sparse", name), ignore_name_scope,
+            process_set)
+        if scale != 1.0:
+            values = values * tf.cast(scale, values.dtype)
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
-    tensor = tf.convert_to_tensor(tensor)
-    if isinstance(compression, Compressor):
-        return _allreduce(tensor, name, reduce_op, prescale_factor, postscale_factor,
-                          ignore_name_scope, process_set, compression)
-    compressed, ctx = compression.compress(tensor)
-    reduced = _allreduce(compressed, name, reduce_op, prescale_factor, postscale_factor,
-                         ignore_name_scope, process_set)
-    return compression.decompress(reduced, ctx)
+
+    def reduce(xs: Sequence[tf.Tensor], core: Compressor) -> list[tf.Tensor]:
+        return [_allreduce(xs[0], name, reduce_op, prescale_factor, postscale_factor,
+                           ignore_name_scope, process_set, core)]
+
+    return kit.compressed(compression, [tf.convert_to_tensor(tensor)], reduce)[0]
 
 
 @_plain
@@ -233,7 +218,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                       process_set: ProcessSet = global_process_set,
                       ignore_name_scope: bool = False, name: str | None = None) -> list[Any]:
     """Allreduce a list of tensors negotiated as one group; ``IndexedSlices`` go one by one."""
-    reduce_op = _resolve_op(op, average)
+    reduce_op = kit.resolve_op(op, average)
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     out: list[Any] = list(tensors)
     for i, t in enumerate(tensors):
@@ -244,15 +229,13 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                                process_set=process_set, ignore_name_scope=ignore_name_scope)
     if not dense:
         return out
-    inputs = [tf.convert_to_tensor(tensors[i]) for i in dense]
-    if isinstance(compression, Compressor):
-        reduced = _grouped_allreduce(inputs, name, reduce_op, prescale_factor, postscale_factor,
-                                     ignore_name_scope, process_set, compression)
-    else:
-        pairs = [compression.compress(t) for t in inputs]
-        reduced = _grouped_allreduce([p[0] for p in pairs], name, reduce_op, prescale_factor,
-                                     postscale_factor, ignore_name_scope, process_set)
-        reduced = [compression.decompress(r, p[1]) for r, p in zip(reduced, pairs, strict=True)]
+
+    def reduce(xs: Sequence[tf.Tensor], core: Compressor) -> list[tf.Tensor]:
+        return _grouped_allreduce(xs, name, reduce_op, prescale_factor, postscale_factor,
+                                  ignore_name_scope, process_set, core)
+
+    reduced = kit.compressed(compression, [tf.convert_to_tensor(tensors[i]) for i in dense],
+                             reduce)
     for i, r in zip(dense, reduced, strict=True):
         out[i] = r
     return out
@@ -264,9 +247,11 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
                   process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce ``tensor`` (default Average), then keep this rank's share of rows."""
-    del device_dense, compression  # the reduce-scatter path moves full precision
-    return _reducescatter(tensor, name, op, ignore_name_scope, process_set, prescale_factor,
-                          postscale_factor)
+    del device_dense  # data moves through host memory
+    return grouped_reducescatter([tensor], compression=compression, op=op,
+                                 process_set=process_set, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, name=name,
+                                 ignore_name_scope=ignore_name_scope, _kind="Reducescatter")[0]
 
 
 @_plain
@@ -274,11 +259,17 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           compression: Any = Compression.none, op: ReduceOp | int = Average,
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                          name: str | None = None,
-                          ignore_name_scope: bool = False) -> list[tf.Tensor]:
-    del device_dense, compression
-    return _grouped_reducescatter(tensors, name, op, ignore_name_scope, process_set,
-                                  prescale_factor, postscale_factor)
+                          name: str | None = None, ignore_name_scope: bool = False,
+                          _kind: str = "GroupedReducescatter") -> list[tf.Tensor]:
+    """Reducescatter a list of tensors negotiated as one group."""
+    del device_dense
+    reduce_op = kit.resolve_op(op, None)
+
+    def reduce(xs: Sequence[tf.Tensor], core: Compressor) -> list[tf.Tensor]:
+        return _grouped_reducescatter(xs, name, reduce_op, ignore_name_scope, process_set,
+                                      prescale_factor, postscale_factor, core, _kind=_kind)
+
+    return kit.compressed(compression, [tf.convert_to_tensor(t) for t in tensors], reduce)
 
 
 @_plain

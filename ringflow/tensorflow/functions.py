@@ -1,14 +1,12 @@
 """Variable and Python-object helpers: ``broadcast_variables``, ``broadcast_object``,
 ``allgather_object`` (Horovod 0.28's ``horovod.tensorflow.functions``).
 
-Objects travel pickled, as uint8 arrays: first their lengths, then the bytes. Only peers that
-proved the job secret can send them (see the transport), so unpickling them is as safe as the
-training script itself.
+Objects travel as the adapter kit sends them (:mod:`ringflow._adapter`, shared with
+``ringflow.torch``).
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +15,7 @@ import tensorflow as tf
 
 import ringflow as _core
 from ringflow import ProcessSet, global_process_set
+from ringflow import _adapter as kit
 from ringflow.errors import TensorError
 
 from .mpi_ops import broadcast
@@ -53,33 +52,23 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     ])
 
 
-def _bytes_of(obj: Any) -> np.ndarray:
-    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+def _eager_only(what: str) -> None:
+    if not tf.executing_eagerly():
+        raise TensorError(f"{what}() moves Python objects and cannot run inside tf.function; "
+                          "call it eagerly (outside the traced function)")
 
 
-@tf.autograph.experimental.do_not_convert
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """``root_rank``'s ``obj`` on every rank of ``process_set`` (pickled; eager only).
+    """``root_rank``'s ``obj`` on every rank of ``process_set`` (the kit's
+    :func:`~ringflow._adapter.broadcast_object`; eager only; ``root_rank`` is a global rank).
 
     Raises:
         TensorError: called while tracing a ``tf.function`` (objects are Python values).
     """
     del session
-    if not tf.executing_eagerly():
-        raise TensorError(
-            "broadcast_object() moves Python objects and cannot run inside tf.function; call it "
-            "eagerly (outside the traced function)"
-        )
-    base = name or "object"  # not the type: non-root ranks often pass None
-    me = process_set.rank()
-    payload = _bytes_of(obj) if me == root_rank else np.zeros(0, np.uint8)
-    length = _core.broadcast(np.asarray([payload.size], np.int64), root_rank,
-                             name=f"broadcast_object.{base}.len", process_set=process_set)
-    buf = payload if me == root_rank else np.zeros(int(length[0]), np.uint8)
-    data = _core.broadcast(buf, root_rank, name=f"broadcast_object.{base}.data",
-                           process_set=process_set)
-    return obj if me == root_rank else pickle.loads(data.tobytes())
+    _eager_only("broadcast_object")
+    return kit.broadcast_object(obj, root_rank, name, process_set)
 
 
 def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
@@ -88,21 +77,10 @@ def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | Non
     return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
 
 
-@tf.autograph.experimental.do_not_convert
 def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
-    """The list of every rank's ``obj``, in rank order of ``process_set`` (pickled; eager only)."""
+    """The list of every rank's ``obj``, in rank order of ``process_set`` (the kit's
+    :func:`~ringflow._adapter.allgather_object`; eager only)."""
     del session
-    if not tf.executing_eagerly():
-        raise TensorError(
-            "allgather_object() moves Python objects and cannot run inside tf.function; call it "
-            "eagerly (outside the traced function)"
-        )
-    base = name or "object"  # not the type: non-root ranks often pass None
-    payload = _bytes_of(obj)
-    lengths = _core.allgather(np.asarray([payload.size], np.int64),
-                              name=f"allgather_object.{base}.len", process_set=process_set)
-    data = _core.allgather(payload, name=f"allgather_object.{base}.data",
-                           process_set=process_set)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    return [pickle.loads(data[offsets[i]:offsets[i + 1]].tobytes()) for i in range(lengths.size)]
+    _eager_only("allgather_object")
+    return kit.allgather_object(obj, name, process_set)

@@ -21,7 +21,6 @@ Variable names never enter a name: Keras numbers them per process, so they can d
 
 from __future__ import annotations
 
-import itertools
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import tensorflow as tf
 
 from ringflow import Average, Compression, ProcessSet, ReduceOp, global_process_set
+from ringflow import _adapter as kit
 from ringflow.errors import TensorError
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "allreduce_gradients"]
@@ -52,9 +52,7 @@ def _groups(n_dense: int, dense_vars: list[Any], num_groups: int,
         rest = [i for i in range(n_dense) if i not in taken]
         return [*out, rest] if rest else out
     if num_groups and num_groups > 0:
-        k = min(num_groups, n_dense) or 1
-        bounds = [round(j * n_dense / k) for j in range(k + 1)]
-        return [list(range(lo, hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+        return kit.split_groups(list(range(n_dense)), num_groups)
     return [list(range(n_dense))] if n_dense else []
 
 

@@ -1,26 +1,21 @@
 """TensorFlow ops over the ringflow core: collectives that run eagerly and inside ``tf.function``.
 
 Each collective is a ``tf.numpy_function`` (graph mode) or a direct call (eager mode) into the
-numpy core, wrapped in ``tf.custom_gradient`` so that it is differentiable. Names and gradients
-follow Horovod 0.28's ``horovod.tensorflow.mpi_ops``:
-
-==================  ==========================================================================
-op                  gradient
-==================  ==========================================================================
-allreduce(op)       allreduce of the upstream gradient with the same op and scale factors
-allgather           Average-allreduce of the upstream gradient, then this rank's rows
-broadcast(root)     Average-allreduce of the upstream gradient on the root, zeros elsewhere
-alltoall(splits)    alltoall of the upstream gradient with the received splits
-reducescatter(op)   allgather of the upstream gradient (times the set size for Sum)
-==================  ==========================================================================
+numpy core, wrapped in ``tf.custom_gradient`` so that it is differentiable. Op resolution,
+compression dispatch and the gradient rule of every collective are the adapter kit's
+(:mod:`ringflow._adapter`), shared with ``ringflow.torch``; :class:`_TFOps` is how the kit's
+rules run on TensorFlow tensors.
 
 Naming. Ranks match operations by name, so every op instance needs a name that is the same on
-every rank and distinct from every other op in flight. Eagerly, a given ``name`` is used as is and
-an unnamed op gets the core's call-order name (with a dtype/shape fingerprint, so a misordering is
-a mismatch error, never a silent wrong pairing). In a graph, the name is fixed at trace time:
-``name`` or ``Horovod<Op>_<tensor name>``, under the current name scope and made unique within the
-graph, exactly as TensorFlow names the op itself. Gradient ops take the forward name plus
-``_grad``.
+every rank and distinct from every other op in flight. Eagerly, a given ``name`` travels as
+``"<kind>.<name>"`` (the kit's rule, as in ``ringflow.torch``) and an unnamed op gets the core's
+call-order name. In a graph, the name is fixed at trace time: ``name`` or
+``Horovod<Op>_<tensor name>``, under the current name scope and made unique within the graph,
+exactly as TensorFlow names the op itself. Gradient ops take the forward name plus ``.grad``.
+
+Errors. Eagerly a failed collective raises ringflow's own error (a ``HorovodInternalError``).
+Inside ``tf.function`` TensorFlow turns it into ``tf.errors.UnknownError`` carrying the error's
+class and text, as Horovod's graph ops fail with TensorFlow errors.
 
 Ordering. A graph op blocks its executor thread until every rank has submitted it (there is no
 asynchronous kernel in pure Python). Two independent collectives of one graph could therefore run
@@ -40,15 +35,15 @@ import numpy as np
 import tensorflow as tf
 
 import ringflow as _core
-from ringflow import Average, ProcessSet, ReduceOp, Sum, global_process_set
-from ringflow.compression import Compressor
+from ringflow import ProcessSet, ReduceOp, Sum, global_process_set
+from ringflow import _adapter as kit
+from ringflow.compression import Compression, Compressor
 from ringflow.errors import TensorError
 
 __all__ = [
     "_allreduce",
     "_grouped_allreduce",
     "_grouped_reducescatter",
-    "_reducescatter",
     "allgather",
     "alltoall",
     "barrier",
@@ -81,7 +76,7 @@ def _op_name(kind: str, tensors: Sequence[Any], name: str | None,
              ignore_name_scope: bool = False) -> str | None:
     """The name ranks match this op instance by; None eagerly without ``name`` (call order)."""
     if tf.executing_eagerly():
-        return name
+        return kit.op_name(kind.lower(), name)
     if name is None:
         label = _tensor_name(tensors[0])
         if len(tensors) > 1:
@@ -93,10 +88,6 @@ def _op_name(kind: str, tensors: Sequence[Any], name: str | None,
         with graph.name_scope(None):
             return graph.unique_name(name)
     return graph.unique_name(name)
-
-
-def _grad_name(name: str | None) -> str | None:
-    return None if name is None else f"{name}_grad"
 
 
 _plain = tf.autograph.experimental.do_not_convert
@@ -122,8 +113,74 @@ def _call(fn: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
     return outs
 
 
-def _op(op: ReduceOp | int | None) -> ReduceOp:
-    return ReduceOp.AVERAGE if op is None else ReduceOp(op)
+# gradients -----------------------------------------------------------------------------------
+class _TFOps:
+    """The kit's :class:`~ringflow._adapter.Ops` on TensorFlow tensors (the collectives below,
+    themselves differentiable, so that second derivatives work too)."""
+
+    def allreduce(self, xs: list[tf.Tensor], op: ReduceOp, prescale: float, postscale: float,
+                  process_set: ProcessSet, name: str | None) -> list[tf.Tensor]:
+        return _grouped_allreduce(xs, name, op, prescale, postscale, True, process_set,
+                                  _kind="Allreduce" if len(xs) == 1 else "GroupedAllreduce")
+
+    def allgather(self, xs: list[tf.Tensor], process_set: ProcessSet,
+                  name: str | None) -> list[tf.Tensor]:
+        # One op per tensor, as Horovod: TensorFlow may hand float32 zeros for float64 outputs.
+        return [allgather(x, None if name is None else f"{name}.{i}", True, process_set)
+                for i, x in enumerate(xs)]
+
+    def alltoall(self, x: tf.Tensor, splits: Any, process_set: ProcessSet,
+                 name: str | None) -> tf.Tensor:
+        return alltoall(x, splits, name, True, process_set)[0]
+
+    def scale(self, x: tf.Tensor, factor: float) -> tf.Tensor:
+        return x * tf.cast(factor, x.dtype)
+
+    def zeros_like(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.zeros_like(x)
+
+    def own_rows(self, xs: list[tf.Tensor], rows: Any, process_set: ProcessSet,
+                 name: str | None) -> list[tf.Tensor]:
+        counts = allgather(tf.reshape(tf.cast(tf.stack(rows), tf.int64), [1, len(xs)]), name,
+                           True, process_set)
+        starts = tf.reduce_sum(counts[:process_set.rank()], axis=0)
+        return [x[starts[i]:starts[i] + tf.cast(n, tf.int64)]
+                for i, (x, n) in enumerate(zip(xs, rows, strict=True))]
+
+
+_OPS = _TFOps()
+
+
+def _differentiable(name: str | None, spec: kit.Spec | Callable[[list[tf.Tensor]], kit.Spec],
+                    run: Callable[..., list[np.ndarray]], xs: list[tf.Tensor],
+                    touts: list[tf.DType], shape: Callable[[tf.Tensor, tf.Tensor], None],
+                    extra: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
+    """``run`` over ``xs`` (and non-differentiable ``extra`` inputs) as one collective op
+    ``name`` whose gradient is the kit's rule for the spec's kind; ``shape(out, x)`` sets the
+    static shapes.
+    ``spec`` may be a function of the op's outputs (alltoall's gradient needs them)."""
+    n = len(xs)
+
+    @tf.custom_gradient
+    def forward(*inputs: tf.Tensor) -> Any:
+        outs = _call(run, [*inputs, *extra], touts, name)
+        for out, x in zip(outs, inputs, strict=False):
+            shape(out, x)
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            dys = [tf.zeros_like(o) if dy is None else dy
+                   for dy, o in zip(dys[:n], outs, strict=False)]
+            rule = spec if isinstance(spec, kit.Spec) else spec(outs)
+            dxs = kit.GRADIENTS[rule.kind](_OPS, dys, rule)
+            return [tf.reshape(dx, tf.shape(x)) for dx, x in zip(dxs, inputs, strict=True)]
+
+        return outs, grad
+
+    return list(forward(*xs))
+
+
+def _same_shape(out: tf.Tensor, x: tf.Tensor) -> None:
+    out.set_shape(x.shape)
 
 
 # allreduce -----------------------------------------------------------------------------------
@@ -152,11 +209,11 @@ def _grouped_allreduce(tensors: Sequence[Any], name: str | None = None,
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
-    reduce_op = _op(op)
+    reduce_op = kit.resolve_op(op, None)
     op_name = _op_name(_kind, tensors, name, ignore_name_scope)
     kwargs = {"op": reduce_op, "prescale_factor": prescale_factor,
               "postscale_factor": postscale_factor, "process_set": process_set,
-              "compression": compression or _core.Compression.none}
+              "compression": compression or Compression.none}
 
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
         if len(arrays) == 1:
@@ -166,21 +223,9 @@ def _grouped_allreduce(tensors: Sequence[Any], name: str | None = None,
         # The core returns 0-d inputs as shape (1,) (np.ascontiguousarray): restore the shape.
         return [np.reshape(o, a.shape) for o, a in zip(outs, arrays, strict=True)]
 
-    @tf.custom_gradient
-    def forward(*xs: tf.Tensor) -> Any:
-        outs = _call(run, xs, [x.dtype for x in xs], op_name)
-        for out, x in zip(outs, xs, strict=True):
-            out.set_shape(x.shape)
-
-        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            dys = [tf.zeros_like(x) if dy is None else dy for dy, x in zip(dys, xs, strict=True)]
-            return _grouped_allreduce(dys, _grad_name(op_name), reduce_op, prescale_factor,
-                                      postscale_factor, True, process_set, compression,
-                                      _kind=_kind)
-
-        return outs, grad
-
-    return list(forward(*tensors))
+    spec = kit.Spec("allreduce", op_name, process_set, reduce_op, prescale_factor,
+                    postscale_factor)
+    return _differentiable(op_name, spec, run, tensors, [x.dtype for x in tensors], _same_shape)
 
 
 # allgather -----------------------------------------------------------------------------------
@@ -189,6 +234,11 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenate every rank's ``tensor`` along dimension 0 (first dimensions may differ)."""
     return grouped_allgather([tensor], name, ignore_name_scope, process_set, _kind="Allgather")[0]
+
+
+def _gathered_shape(out: tf.Tensor, x: tf.Tensor) -> None:
+    out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank
+                  else tf.TensorShape([None]))
 
 
 @_plain
@@ -207,29 +257,10 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
             return [_core.allgather(arrays[0], name=op_name, process_set=process_set)]
         return _core.grouped_allgather(list(arrays), name=op_name, process_set=process_set)
 
-    @tf.custom_gradient
-    def forward(*xs: tf.Tensor) -> Any:
-        outs = _call(run, xs, [x.dtype for x in xs], op_name)
-        for out, x in zip(outs, xs, strict=True):
-            out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:])
-                          if x.shape.rank else tf.TensorShape([None]))
-
-        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            dys = [tf.zeros_like(o) if dy is None else dy for dy, o in zip(dys, outs, strict=True)]
-            reduced = _grouped_allreduce(dys, _grad_name(op_name), Average, 1.0, 1.0, True,
-                                         process_set)
-            counts = grouped_allgather(
-                [tf.reshape(tf.shape(x, out_type=tf.int64)[0] if x.shape.rank else
-                            tf.constant(1, tf.int64), [1]) for x in xs],
-                _grad_name(_grad_name(op_name)), True, process_set)
-            me, members = process_set.rank(), process_set.size()
-            counts = [tf.reshape(c, [members]) for c in counts]
-            return [tf.reshape(tf.split(g, tf.cast(c, tf.int32), axis=0)[me], tf.shape(x))
-                    for g, c, x in zip(reduced, counts, xs, strict=True)]
-
-        return outs, grad
-
-    return list(forward(*tensors))
+    rows = [tf.shape(x, out_type=tf.int64)[0] if x.shape.rank else tf.constant(1, tf.int64)
+            for x in tensors]
+    spec = kit.Spec("allgather", op_name, process_set, rows=rows)
+    return _differentiable(op_name, spec, run, tensors, [x.dtype for x in tensors], _gathered_shape)
 
 
 # broadcast -----------------------------------------------------------------------------------
@@ -237,7 +268,10 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
 def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """Every rank gets ``root_rank``'s value of ``tensor``."""
+    """Every rank of ``process_set`` gets ``root_rank``'s value of ``tensor``.
+
+    ``root_rank`` is a global rank (as in Horovod 0.28) and must be a member of the set.
+    """
     tensor = tf.convert_to_tensor(tensor)
     op_name = _op_name("Broadcast", [tensor], name, ignore_name_scope)
     root = int(root_rank)
@@ -246,19 +280,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
         out = _core.broadcast(array, root, name=op_name, process_set=process_set)
         return [np.reshape(out, array.shape)]
 
-    @tf.custom_gradient
-    def forward(x: tf.Tensor) -> Any:
-        out = _call(run, [x], [x.dtype], op_name)[0]
-        out.set_shape(x.shape)
-
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            reduced = _allreduce(dy, _grad_name(op_name), Average, ignore_name_scope=True,
-                                 process_set=process_set)
-            return reduced if process_set.rank() == root else reduced * 0
-
-        return out, grad
-
-    return forward(tensor)
+    spec = kit.Spec("broadcast", op_name, process_set, root=root)
+    return _differentiable(op_name, spec, run, [tensor], [tensor.dtype], _same_shape)[0]
 
 
 # alltoall ------------------------------------------------------------------------------------
@@ -285,46 +308,35 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
                                         process_set=process_set)
         return [rows, np.asarray(received, np.int32)]
 
-    @tf.custom_gradient
-    def forward(x: tf.Tensor) -> Any:
-        out, received = _call(run, [x, splits_t], [x.dtype, tf.int32], op_name)
+    def shape(out: tf.Tensor, x: tf.Tensor) -> None:
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
-        received.set_shape([n])
 
-        def grad(dy: tf.Tensor, _dsplits: Any = None) -> tf.Tensor:
-            back, _ = alltoall(dy, received, _grad_name(op_name), True, process_set)
-            return tf.reshape(back, tf.shape(x))
+    def spec(outs: list[tf.Tensor]) -> kit.Spec:  # the gradient sends back what was received
+        return kit.Spec("alltoall", op_name, process_set, received=outs[1])
 
-        return (out, received), grad
-
-    out, received = forward(tensor)
+    out, received = _differentiable(op_name, spec, run, [tensor], [tensor.dtype, tf.int32], shape,
+                                    extra=[splits_t])
+    received.set_shape([n])
     return out if splits is None else (out, received)
 
 
 # reducescatter -------------------------------------------------------------------------------
 @_plain
-def _reducescatter(tensor: Any, name: str | None = None, op: ReduceOp | int = Sum,
-                   ignore_name_scope: bool = False,
-                   process_set: ProcessSet = global_process_set,
-                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
-    return _grouped_reducescatter([tensor], name, op, ignore_name_scope, process_set,
-                                  prescale_factor, postscale_factor, _kind="Reducescatter")[0]
-
-
-@_plain
 def _grouped_reducescatter(tensors: Sequence[Any], name: str | None = None,
                            op: ReduceOp | int = Sum, ignore_name_scope: bool = False,
                            process_set: ProcessSet = global_process_set,
                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                           compression: Compressor | None = None,
                            _kind: str = "GroupedReducescatter") -> list[tf.Tensor]:
     """Reduce, then give each rank its share of rows (lower ranks take the remainder)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
-    reduce_op = _op(op)
+    reduce_op = kit.resolve_op(op, None)
     op_name = _op_name(_kind, tensors, name, ignore_name_scope)
-    kwargs = {"op": reduce_op, "process_set": process_set,
-              "prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
+    kwargs = {"op": reduce_op, "process_set": process_set, "prescale_factor": prescale_factor,
+              "postscale_factor": postscale_factor,
+              "compression": compression or Compression.none}
 
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
         if len(arrays) == 1:
@@ -333,23 +345,14 @@ def _grouped_reducescatter(tensors: Sequence[Any], name: str | None = None,
 
     n, me = process_set.size(), process_set.rank()
 
-    @tf.custom_gradient
-    def forward(*xs: tf.Tensor) -> Any:
-        outs = _call(run, xs, [x.dtype for x in xs], op_name)
-        for out, x in zip(outs, xs, strict=True):
-            rows = x.shape[0] if x.shape.rank else None
-            mine = None if rows is None else rows // n + (1 if me < rows % n else 0)
-            out.set_shape(tf.TensorShape([mine]).concatenate(x.shape[1:]))
+    def shape(out: tf.Tensor, x: tf.Tensor) -> None:
+        rows = x.shape[0] if x.shape.rank else None
+        mine = None if rows is None else rows // n + (1 if me < rows % n else 0)
+        out.set_shape(tf.TensorShape([mine]).concatenate(x.shape[1:]))
 
-        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            dys = [tf.zeros_like(o) if dy is None else dy for dy, o in zip(dys, outs, strict=True)]
-            if reduce_op == ReduceOp.SUM:
-                dys = [dy * tf.cast(n, dy.dtype) for dy in dys]
-            return grouped_allgather(dys, _grad_name(op_name), True, process_set)
-
-        return outs, grad
-
-    return list(forward(*tensors))
+    spec = kit.Spec("reducescatter", op_name, process_set, reduce_op, prescale_factor,
+                    postscale_factor)
+    return _differentiable(op_name, spec, run, tensors, [x.dtype for x in tensors], shape)
 
 
 # control ops ---------------------------------------------------------------------------------

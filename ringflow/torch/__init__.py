@@ -17,7 +17,8 @@ Differences from Horovod 0.28 (each one deliberate):
   for a fresh optimizer restores the parameters afterwards (Horovod's may move them through
   weight decay).
 - ``DistributedOptimizer`` shares the wrapped optimizer's state instead of re-running its
-  ``__init__``; ``op=Adasum`` raises (not implemented yet). Misuse errors are
+  ``__init__``; ``op=Adasum`` raises ``AdasumError`` (a ``NotImplementedError``: Horovod's
+  delta-based Adasum optimizer is not implemented; ``allreduce(op=Adasum)`` is). Misuse errors are
   ``OptimizerMisuseError``, a subclass of both ``RingflowError`` and ``AssertionError`` (Horovod
   raises ``AssertionError`` with the same text).
 - Build/feature queries answer for ringflow: ``gloo_built()`` / ``nccl_built()`` / ``ddl_built()`` /
@@ -27,8 +28,19 @@ Differences from Horovod 0.28 (each one deliberate):
   transport is the one in use.
 - ``start_timeline`` / ``stop_timeline`` are the core's (:func:`ringflow.start_timeline`): one
   Chrome-trace file per rank.
-- ``root_rank`` of broadcast operations is a rank within the process set (the global rank for the
-  global set).
+- ``allreduce`` of a sparse COO tensor takes ``sparse_allreduce_async``'s path (Horovod raises
+  ``ValueError``), whose result is coalesced; ops other than Sum/Average raise there.
+- ``join()`` lets the other ranks go on with allgather and broadcast too (Horovod supports only
+  allreduce after a join).
+- ``broadcast_object`` / ``allgather_object`` use a fixed default name (Horovod's is the type's
+  name, which differs when non-root ranks pass ``None``); ``broadcast_optimizer_state`` handles
+  every ``torch.optim`` optimizer, LBFGS included, and state present on some ranks only.
+- ``elastic`` (Horovod's elastic training) is not provided: ringflow jobs do not resize.
+  ``HostsUpdatedInterrupt`` exists for code that catches it and is never raised.
+
+The errors every collective raises are ringflow's typed errors, and all of them are
+``HorovodInternalError`` (a ``RuntimeError``), as in Horovod; misuse that Horovod reports with
+``ValueError`` (a name already in flight, a bad root rank or splits) still is one.
 """
 
 from __future__ import annotations
@@ -70,6 +82,7 @@ from ..build import (
     nccl_built,
     rocm_built,
 )
+from ..errors import HorovodInternalError, HostsUpdatedInterrupt
 from .compression import Compression
 from .functions import (
     allgather_object,
@@ -103,6 +116,7 @@ from .mpi_ops import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from .optimizer import DistributedOptimizer, OptimizerMisuseError
@@ -115,6 +129,8 @@ __all__ = [
     "Compression",
     "DistributedOptimizer",
     "DistributedSampler",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "OptimizerMisuseError",
@@ -175,6 +191,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

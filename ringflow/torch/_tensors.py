@@ -8,9 +8,9 @@ in-place collective copies the result back when it completes).
 
 A tensor that cannot take part (not a tensor, not on the CPU, a dtype ringflow does not move) is
 *not* rejected here with a local exception: that would leave the other ranks waiting for this
-rank's request. It becomes an :class:`Invalid` placeholder whose conversion to numpy fails with the
-reason; the core turns that into a request that carries the error, and the operation fails on
-every rank with the same text.
+rank's request. It becomes the kit's :class:`~ringflow._adapter.Invalid` placeholder, whose
+conversion to numpy fails with the reason; the core turns that into a request that carries the
+error, and the operation fails on every rank with the same text.
 """
 
 from __future__ import annotations
@@ -20,31 +20,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._adapter import Invalid
 from ..ops import BFLOAT16
 
-__all__ = ["SUPPORTED", "Invalid", "from_numpy", "prepare", "to_numpy"]
+__all__ = ["SUPPORTED", "from_numpy", "prepare", "to_numpy"]
 
 #: torch dtypes ringflow moves (the numpy side of each is in ringflow.ops.DTYPES).
 SUPPORTED = (
     torch.bool, torch.uint8, torch.int8, torch.uint16, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
 )
-
-
-class Invalid:
-    """Stands for a tensor that failed local validation; ``np.asarray`` of it raises the reason.
-
-    ``ndim`` / ``shape`` let the core's shape helpers look at it without converting it.
-    """
-
-    ndim = 1
-    shape = (0,)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        raise TypeError(self.reason)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

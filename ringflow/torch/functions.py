@@ -1,30 +1,23 @@
 """Broadcasting model and optimizer state, and moving arbitrary Python objects.
 
 ``broadcast_parameters`` and ``broadcast_optimizer_state`` start every broadcast at once and then
-wait, so the engine fuses them. Objects travel as pickles (cloudpickle when installed, as Horovod)
-in uint8 tensors; they are unpickled only after the job's connections proved the shared secret.
+wait, so the engine fuses them. ``broadcast_object`` / ``allgather_object`` are the adapter kit's
+(:mod:`ringflow._adapter`), shared with ``ringflow.tensorflow``.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 from typing import Any
 
-import numpy as np
 import torch
 
-from .. import ProcessSet, global_process_set
-from .mpi_ops import allgather, broadcast_, broadcast_async_, synchronize
+from .. import ProcessSet, global_process_set, rank
+from .._adapter import allgather_object, broadcast_object
+from .mpi_ops import broadcast_async_, synchronize
 
 __all__ = [
     "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
 ]
-
-try:  # cloudpickle handles lambdas and local classes, as in Horovod; pickle otherwise
-    import cloudpickle as _pickler
-except ImportError:  # pragma: no cover - depends on the environment
-    _pickler = pickle  # type: ignore[assignment]
 
 
 def broadcast_parameters(params: Any, root_rank: int,
@@ -33,6 +26,7 @@ def broadcast_parameters(params: Any, root_rank: int,
 
     ``params``: a ``state_dict()`` / dict of tensors (broadcast in sorted-key order) or a list of
     tensors or ``(name, tensor)`` pairs (``list(model.named_parameters())``), as in Horovod.
+    ``root_rank`` is a global rank.
 
     Raises:
         ValueError: ``params`` is neither a dict nor a list (a generator must be made a list).
@@ -44,113 +38,92 @@ def broadcast_parameters(params: Any, root_rank: int,
     else:
         raise ValueError(f"invalid params of type: {type(params)}; pass model.state_dict() or "
                          "list(model.named_parameters())")
-    handles = []
-    for name, p in items:
-        if p is None:
-            continue
-        handles.append(broadcast_async_(p, root_rank, name, process_set=process_set))
+    handles = [broadcast_async_(p, root_rank, name, process_set=process_set)
+               for name, p in items if p is not None]
     for handle in handles:
         synchronize(handle)
 
 
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create a fresh optimizer's state with one zero-gradient step of the underlying class.
+    """Create a fresh optimizer's state with one zero-gradient step, as Horovod does.
 
     Horovod's trick, made harmless: the parameters (which the step may move through weight decay)
     and the gradients are restored afterwards. ``DistributedOptimizer.step`` would synchronize, so
-    the base class's ``step`` is called.
+    the base class's ``step`` is called. Optimizers whose step needs more than a gradient (LBFGS
+    needs a closure) keep their empty state.
     """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     saved = [(p, p.detach().clone(), p.grad) for p in params]
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)
     for p in params:
-        p.grad = torch.zeros_like(p)
-    step = getattr(type(optimizer), "_ringflow_base_step", None)
-    with torch.no_grad():
-        if step is not None:
+        p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
+    step = getattr(type(optimizer), "_ringflow_base_step", None) or type(optimizer).step
+    try:
+        with torch.no_grad():
             step(optimizer)
-        else:
-            optimizer.step()
-        for p, data, grad in saved:
-            p.copy_(data)
-            p.grad = grad
+    finally:
+        with torch.no_grad():
+            for p, data, grad in saved:
+                p.copy_(data)
+                p.grad = grad
+
+
+def _state_items(optimizer: torch.optim.Optimizer) -> dict[tuple[int, int], dict[str, Any]]:
+    """The state of each parameter, keyed by (group index, index in the group)."""
+    return {(g, i): optimizer.state[p]
+            for g, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"]) if p in optimizer.state}
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: torch.nn.Module | None = None,
                               process_set: ProcessSet = global_process_set) -> None:
     """Make every rank's optimizer state and param-group options equal ``root_rank``'s.
 
-    Tensor state (momentum buffers, Adam moments, step counters) is broadcast in place; scalar
-    state and param-group options (lr, betas, weight_decay, ...) travel in one pickled object. An
-    optimizer whose state is still empty first takes one zero-gradient step (see
-    :func:`_initialize_state`); a stateless one (plain SGD) only has its options broadcast.
-
-    Raises:
-        ValueError: ``optimizer`` is an ``LBFGS`` (its state cannot be broadcast, as in Horovod).
+    Works for every optimizer of ``torch.optim``. An optimizer whose state is still empty first
+    takes one zero-gradient step (Horovod's way to create the state; see
+    :func:`_initialize_state`). Then the root describes its state -- per parameter and key, a
+    tensor's shape and dtype, or any other value (a Python number, ``None``, a list) -- and sends
+    that description with the param-group options (lr, betas, ...) as one pickled object; every
+    rank makes its state match it (creating, replacing or dropping entries, so state present on
+    some ranks only is handled), and the tensors are broadcast in place, fused. ``root_rank`` is
+    a global rank. ``model`` is accepted as in Horovod (which uses it to find sparse embeddings
+    for the initial step); the state the step creates does not depend on it.
     """
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    del model
     if not optimizer.state:
         _initialize_state(optimizer)
-    tensors: list[tuple[str, torch.Tensor]] = []
-    scalars: dict[str, Any] = {}
-    for index, group in enumerate(optimizer.param_groups):
-        for number, p in enumerate(group["params"]):
-            for key, value in sorted(optimizer.state.get(p, {}).items()):
-                name = f"opt.{index}.{number}.{key}"
-                if torch.is_tensor(value):
-                    tensors.append((name, value))
-                else:
-                    scalars[name] = value
+    root = rank() == root_rank
+    state = _state_items(optimizer)
+    layout = None
+    if root:
+        layout = {key: {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else ("value", v)
+                        for k, v in entries.items()}
+                  for key, entries in state.items()}
     options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    broadcast_parameters(tensors, root_rank, process_set=process_set)
-    options, scalars = broadcast_object((options, scalars), root_rank,
-                                        name="optimizer_state.options", process_set=process_set)
-    for group, opts in zip(optimizer.param_groups, options, strict=False):
+    options, layout = broadcast_object((options, layout), root_rank,
+                                       name="optimizer_state.layout", process_set=process_set)
+    for group, opts in zip(optimizer.param_groups, options, strict=True):
         group.update(opts)
-    for index, group in enumerate(optimizer.param_groups):
-        for number, p in enumerate(group["params"]):
-            state = optimizer.state.get(p)
-            for key in list(state or ()):
-                name = f"opt.{index}.{number}.{key}"
-                if name in scalars:
-                    state[key] = scalars[name]
-
-
-def _dumps(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    _pickler.dump(obj, buf)
-    return torch.from_numpy(np.frombuffer(buf.getvalue(), dtype=np.uint8).copy())
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """Return ``root_rank``'s ``obj`` on every rank (pickled; cloudpickle when installed).
-
-    ``root_rank`` is a rank within ``process_set``.
-    """
-    name = name or type(obj).__name__
-    if process_set.rank() == root_rank:
-        payload = _dumps(obj)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        broadcast_(size, root_rank, f"{name}.sz", process_set)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-        broadcast_(size, root_rank, f"{name}.sz", process_set)
-        payload = torch.empty(int(size[0]), dtype=torch.uint8)
-    broadcast_(payload, root_rank, f"{name}.t", process_set)
-    if process_set.rank() == root_rank:
-        return obj
-    return _pickler.loads(payload.numpy().tobytes())
-
-
-def allgather_object(obj: Any, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> list[Any]:
-    """Return the list of every rank's ``obj`` (in rank order of ``process_set``)."""
-    name = name or type(obj).__name__
-    payload = _dumps(obj)
-    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.sz",
-                      process_set=process_set).tolist()
-    gathered = allgather(payload, name=f"{name}.t", process_set=process_set).numpy()
-    offsets = np.cumsum([0, *sizes])
-    return [_pickler.loads(gathered[offsets[i]:offsets[i + 1]].tobytes())
-            for i in range(len(sizes))]
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            want = layout.get((g, i))
+            if want is None:
+                optimizer.state.pop(p, None)
+                continue
+            entries = optimizer.state[p]
+            for k in [k for k in entries if k not in want]:
+                del entries[k]
+            for k, (shape, kind) in sorted(want.items()):
+                if shape == "value":
+                    entries[k] = kind
+                    continue
+                have = entries.get(k)
+                if not (torch.is_tensor(have) and tuple(have.shape) == shape
+                        and have.dtype == kind):
+                    entries[k] = have = torch.zeros(shape, dtype=kind)
+                tensors.append((f"optimizer_state.{g}.{i}.{k}", have))
+    broadcast_parameters(tensors, root_rank, process_set=process_set)

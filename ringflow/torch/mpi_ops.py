@@ -1,29 +1,18 @@
 """Collectives on torch tensors with Horovod 0.28's names, signatures and autograd rules.
 
-Every collective has three forms, as in ``horovod.torch``: ``op`` (synchronous and
-differentiable), ``op_async`` (returns a handle for :func:`poll` / :func:`synchronize`) and, where
-Horovod has them, ``op_`` / ``op_async_`` (in place). Tensors reach the engine without a copy
-(:mod:`ringflow.torch._tensors`); compression is the engine's (it casts while fusing).
+Every collective has Horovod's forms: ``op`` (synchronous and differentiable), ``op_async``
+(returns a handle for :func:`poll` / :func:`synchronize`) and, where Horovod has them, ``op_`` /
+``op_async_`` (in place). Tensors reach the engine without a copy (:mod:`._tensors`);
+compression is the engine's (it casts while fusing).
 
-Names: a named operation travels as ``"<op>.<name>"`` (Horovod's C++ layer prefixes names the same
-way), so a broadcast and an allreduce may share a user name. The backward operation of a named
-forward one is named ``"<name>.grad"``; anonymous operations get the core's deterministic names.
-
-Gradients (Horovod 0.28's definitions, for the loss summed over ranks *as Horovod assumes it*):
-
-- allreduce: allreduce of the gradient with the same op and scale factors;
-- grouped_allreduce: grouped allreduce of the gradients;
-- allgather: the rows of ``allreduce(grad, Average)`` that this rank contributed (Horovod averages
-  here since PR #2687: every rank's loss is taken to be an average);
-- broadcast: ``allreduce(grad, Average)`` on the root, zeros elsewhere (as Horovod);
-- alltoall: alltoall of the gradient with the received splits;
-- reducescatter: allgather of the gradient, times ``prescale * postscale`` and divided by the set
-  size for Average (the exact derivative; Horovod's scaling is the same for Sum and Average).
+What is not torch-specific lives in the adapter kit (:mod:`ringflow._adapter`): op resolution,
+names (``"<kind>.<name>"``; backward operations ``"<name>.grad"``), default splits, compression
+dispatch and the gradient rule of each collective, which
+:class:`_Collective` applies in ``backward``.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,8 +22,9 @@ import torch
 import ringflow as _rf
 
 from .. import ProcessSet, global_process_set
+from .. import _adapter as kit
 from ..compression import Compressor
-from ..ops import Average, ReduceOp, Sum
+from ..ops import Average, ReduceOp
 from ._tensors import from_numpy, prepare, to_numpy
 from .compression import Compression
 
@@ -44,7 +34,7 @@ __all__ = [
     "broadcast_async", "broadcast_async_", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "join",
-    "poll", "reducescatter", "reducescatter_async", "synchronize",
+    "poll", "reducescatter", "reducescatter_async", "sparse_allreduce_async", "synchronize",
 ]
 
 
@@ -81,75 +71,179 @@ def poll(handle: TorchHandle) -> bool:
     return handle.poll()
 
 
-def synchronize(handle: TorchHandle) -> Any:
+def synchronize(handle: TorchHandle | Callable[[], Any]) -> Any:
     """Wait for ``handle`` and return its output (a tensor, a list, or a tuple for alltoall).
 
+    A handle of :func:`sparse_allreduce_async` (a function, as in Horovod) is called.
+
     Raises:
-        RingflowError: the operation failed (same class and text on every rank).
+        HorovodInternalError: the operation failed (a ringflow error of the same class and text
+            on every rank).
     """
-    return handle.wait()
+    return handle() if callable(handle) else handle.wait()
 
 
-# helpers -------------------------------------------------------------------------------------
-def _op(op: Any, average: bool | None) -> ReduceOp:
-    """Horovod's handling of the deprecated ``average`` flag next to ``op``."""
-    if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-    if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
-                      DeprecationWarning, stacklevel=3)
-        return Average if average else Sum
-    return Average if op is None else ReduceOp(op)
-
-
-def _named(prefix: str, name: str | None) -> str | None:
-    return None if name is None else f"{prefix}.{name}"
-
-
-def _grad_name(name: str | None) -> str | None:
-    return None if name is None else f"{name}.grad"
-
-
-def _core_compression(compression: Any) -> Compressor:
-    return compression if isinstance(compression, Compressor) else Compression.none
-
-
-def _inplace_finish(tensor: torch.Tensor, t: torch.Tensor | None) -> Callable[[Any], Any]:
+# starting operations -----------------------------------------------------------------------------
+def _inplace_finish(tensor: torch.Tensor, t: torch.Tensor | None) -> Callable[[], None]:
+    """Copy the result back where the engine wrote into a contiguous copy of ``tensor``."""
     if t is None or t.data_ptr() == tensor.data_ptr() or tensor.numel() == 0:
-        return lambda _: tensor
+        return lambda: None
 
-    def finish(_: Any) -> torch.Tensor:
+    def finish() -> None:
         with torch.no_grad():
             tensor.copy_(t)
-        return tensor
 
     return finish
 
 
-def _new_output(t: torch.Tensor | None) -> tuple[torch.Tensor | None, np.ndarray | None]:
-    if t is None:
-        return None, None
-    out = torch.empty(t.shape, dtype=t.dtype)
-    return out, to_numpy(out)
-
-
-# allreduce -----------------------------------------------------------------------------------
-def _allreduce_async(tensor: Any, output: str, name: str | None, op: ReduceOp,
-                     prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
-                     compression: Any) -> TorchHandle:
-    arr, t = prepare(tensor, f"allreduce input {name or ''}".rstrip())
-    if output == "inplace":
-        out, finish = (arr if t is not None else None), _inplace_finish(tensor, t)
+def _outputs(tensors: Sequence[Any], kind: str, inplace: bool
+             ) -> tuple[list[Any], list[np.ndarray | None] | None, list[Any], list[Any]]:
+    """(engine inputs, engine outputs or None, torch results, finishers) for ``tensors``."""
+    prepared = [prepare(x, f"{kind} input {i}") for i, x in enumerate(tensors)]
+    arrays = [a for a, _ in prepared]
+    if inplace:
+        outs: list[Any] = [a if t is not None else None for a, t in prepared]
+        results = list(tensors)
+        finishers = [_inplace_finish(x, t) for x, (_, t) in zip(tensors, prepared, strict=True)]
     else:
-        result, out = _new_output(t)
-        finish = lambda _: result  # noqa: E731
-    core = _rf.allreduce_async(arr, name=_named("allreduce", name), op=op,
-                               prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                               process_set=process_set,
-                               compression=_core_compression(compression), out=out)
-    return TorchHandle(core, finish)
+        results = [None if t is None else torch.empty(t.shape, dtype=t.dtype)
+                   for _, t in prepared]
+        outs = [None if r is None else to_numpy(r) for r in results]
+        finishers = []
+    # An input that failed validation: its request fails the whole operation on every rank.
+    return arrays, (None if any(o is None for o in outs) else outs), results, finishers
 
 
+def _finished(results: list[Any], finishers: list[Any], group: bool) -> Callable[[Any], Any]:
+    def finish(_: Any) -> Any:
+        for f in finishers:
+            f()
+        return results if group else results[0]
+
+    return finish
+
+
+def _wrap(result: Any) -> torch.Tensor:
+    return from_numpy(np.asarray(result))
+
+
+def _allreduce_async(tensors: Sequence[Any], group: bool, inplace: bool, name: str | None,
+                     op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet,
+                     compression: Any) -> TorchHandle:
+    arrays, outs, results, finishers = _outputs(tensors, "allreduce", inplace)
+    core_compression = compression if isinstance(compression, Compressor) else Compression.none
+    kwargs = {"op": op, "prescale_factor": prescale, "postscale_factor": postscale,
+              "process_set": process_set, "compression": core_compression}
+    if group:
+        core = _rf.grouped_allreduce_async(arrays, kit.op_name("grouped_allreduce", name),
+                                           outs=outs, **kwargs)
+    else:
+        core = _rf.allreduce_async(arrays[0], kit.op_name("allreduce", name),
+                                   out=None if outs is None else outs[0], **kwargs)
+    return TorchHandle(core, _finished(results, finishers, group))
+
+
+def _allgather_async(tensors: Sequence[Any], group: bool, name: str | None,
+                     process_set: ProcessSet) -> TorchHandle:
+    arrays = [prepare(x, f"allgather input {i}")[0] for i, x in enumerate(tensors)]
+    if group:
+        core = _rf.grouped_allgather_async(arrays, kit.op_name("grouped_allgather", name),
+                                           process_set=process_set)
+        return TorchHandle(core, lambda res: [_wrap(r) for r in res])
+    core = _rf.allgather_async(arrays[0], kit.op_name("allgather", name), process_set=process_set)
+    return TorchHandle(core, _wrap)
+
+
+def _broadcast_async(tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet,
+                     inplace: bool) -> TorchHandle:
+    arrays, outs, results, finishers = _outputs([tensor], "broadcast", inplace)
+    core = _rf.broadcast_async(arrays[0], root_rank, kit.op_name("broadcast", name),
+                               process_set=process_set, out=None if outs is None else outs[0])
+    return TorchHandle(core, _finished(results, finishers, False))
+
+
+def _reducescatter_async(tensors: Sequence[Any], group: bool, name: str | None, op: ReduceOp,
+                         process_set: ProcessSet, prescale: float, postscale: float,
+                         compression: Compressor = Compression.none) -> TorchHandle:
+    arrays = [prepare(x, f"reducescatter input {i}")[0] for i, x in enumerate(tensors)]
+    kwargs = {"op": op, "process_set": process_set, "prescale_factor": prescale,
+              "postscale_factor": postscale, "compression": compression}
+    if group:
+        core = _rf.grouped_reducescatter_async(
+            arrays, kit.op_name("grouped_reducescatter", name), **kwargs)
+        return TorchHandle(core, lambda res: [_wrap(r) for r in res])
+    core = _rf.reducescatter_async(arrays[0], kit.op_name("reducescatter", name), **kwargs)
+    return TorchHandle(core, _wrap)
+
+
+# autograd ----------------------------------------------------------------------------------------
+class _Collective(torch.autograd.Function):
+    """A differentiable collective: ``run`` computes it, the kit's rule for ``spec.kind`` is
+    its backward. ``run(tensors) -> (outputs, spec)``; outputs after ``differentiable`` of them
+    (alltoall's received splits) are marked non-differentiable."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: kit.Spec, run: Callable[..., Any], differentiable: int,
+                *tensors: torch.Tensor) -> Any:
+        outs, ctx.spec = run(tensors)
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.mark_non_differentiable(*outs[differentiable:])
+        ctx.differentiable = differentiable
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        dys = [g.contiguous() for g in grads[:ctx.differentiable]]
+        dxs = kit.GRADIENTS[ctx.spec.kind](_OPS, dys, ctx.spec)
+        return (None, None, None, *(g.reshape(s) for g, s in zip(dxs, ctx.shapes, strict=True)))
+
+
+def _apply(spec: kit.Spec, run: Callable[..., Any], tensors: Sequence[torch.Tensor],
+           differentiable: int | None = None) -> tuple[torch.Tensor, ...]:
+    n = len(tensors) if differentiable is None else differentiable
+    return _Collective.apply(spec, run, n, *tensors)
+
+
+class _TorchOps:
+    """The kit's :class:`~ringflow._adapter.Ops` on torch tensors (differentiable collectives,
+    so that second derivatives work too)."""
+
+    def allreduce(self, xs: list[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
+                  process_set: ProcessSet, name: str | None) -> list[torch.Tensor]:
+        if len(xs) == 1:
+            return [allreduce(xs[0], name=name, op=op, prescale_factor=prescale,
+                              postscale_factor=postscale, process_set=process_set)]
+        return grouped_allreduce(xs, name=name, op=op, prescale_factor=prescale,
+                                 postscale_factor=postscale, process_set=process_set)
+
+    def allgather(self, xs: list[torch.Tensor], process_set: ProcessSet,
+                  name: str | None) -> list[torch.Tensor]:
+        if len(xs) == 1:
+            return [allgather(xs[0], name=name, process_set=process_set)]
+        return grouped_allgather(xs, name=name, process_set=process_set)
+
+    def alltoall(self, x: torch.Tensor, splits: Any, process_set: ProcessSet,
+                 name: str | None) -> torch.Tensor:
+        return alltoall(x, splits, name=name, process_set=process_set)[0]
+
+    def scale(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+        return x * factor
+
+    def zeros_like(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+    def own_rows(self, xs: list[torch.Tensor], rows: Any, process_set: ProcessSet,
+                 name: str | None) -> list[torch.Tensor]:
+        counts = synchronize(_allgather_async([torch.tensor([rows], dtype=torch.int64)], False,
+                                              name, process_set))
+        starts = counts[:process_set.rank()].sum(dim=0)
+        return [x.narrow(0, int(start), n) for x, start, n in zip(xs, starts, rows, strict=True)]
+
+
+_OPS = _TorchOps()
+
+
+# allreduce ---------------------------------------------------------------------------------------
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
@@ -158,8 +252,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
 
     ``compression`` is a ringflow extension: a core compressor makes the engine send 16 bits.
     """
-    return _allreduce_async(tensor, "new", name, _op(op, average), prescale_factor,
-                            postscale_factor, process_set, compression)
+    return _allreduce_async([tensor], False, False, name, kit.resolve_op(op, average),
+                            prescale_factor, postscale_factor, process_set, compression)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -167,8 +261,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
                      compression: Any = Compression.none) -> TorchHandle:
     """Start reducing ``tensor`` in place; :func:`synchronize` returns ``tensor`` itself."""
-    return _allreduce_async(tensor, "inplace", name, _op(op, average), prescale_factor,
-                            postscale_factor, process_set, compression)
+    return _allreduce_async([tensor], False, True, name, kit.resolve_op(op, average),
+                            prescale_factor, postscale_factor, process_set, compression)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -180,22 +274,20 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                                         postscale_factor, process_set))
 
 
-class HorovodAllreduce(torch.autograd.Function):
-    """Allreduce whose backward is the allreduce of the gradient (same op and scales)."""
+def _grouped_allreduce(tensors: Sequence[torch.Tensor], group: bool, name: str | None,
+                       op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet,
+                       compression: Any) -> list[torch.Tensor]:
+    spec = kit.Spec("allreduce", name, process_set, op, prescale, postscale)
 
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
-                postscale: float, process_set: ProcessSet, compression: Any) -> torch.Tensor:
-        ctx.args = (name, op, prescale, postscale, process_set)
-        return synchronize(_allreduce_async(tensor, "new", name, op, prescale, postscale,
-                                            process_set, compression))
+    def reduce(xs: Sequence[torch.Tensor], core: Compressor) -> list[torch.Tensor]:
+        def run(ts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], kit.Spec]:
+            outs = synchronize(_allreduce_async(ts, group, False, name, op, prescale, postscale,
+                                                process_set, core))
+            return (outs if group else [outs]), spec
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        name, op, prescale, postscale, process_set = ctx.args
-        out = synchronize(_allreduce_async(grad, "new", _grad_name(name), op, prescale,
-                                           postscale, process_set, Compression.none))
-        return (out, None, None, None, None, None, None)
+        return list(_apply(spec, run, xs))
+
+    return kit.compressed(compression, tensors, reduce)
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -205,46 +297,15 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """Reduce ``tensor`` over ``process_set`` (default Average); differentiable.
 
     ``compression``: ``Compression.fp16`` / ``bf16`` make the engine send 16-bit values; any other
-    Horovod-style compressor is applied around the collective.
+    Horovod-style compressor is applied around the collective. A sparse COO tensor takes
+    :func:`sparse_allreduce_async`'s path (ringflow extension; Horovod raises ValueError).
     """
-    op = _op(op, average)
-    if isinstance(compression, Compressor):
-        return HorovodAllreduce.apply(tensor, name, op, prescale_factor, postscale_factor,
-                                      process_set, compression)
-    compressed, ctx = compression.compress(tensor)
-    out = HorovodAllreduce.apply(compressed, name, op, prescale_factor, postscale_factor,
-                                 process_set, Compression.none)
-    return compression.decompress(out, ctx)
-
-
-# grouped allreduce ---------------------------------------------------------------------------
-def _grouped_allreduce_async(tensors: Sequence[Any], inplace: bool, name: str | None,
-                             op: ReduceOp, prescale: float, postscale: float,
-                             process_set: ProcessSet, compression: Any) -> TorchHandle:
-    prepared = [prepare(x, f"grouped_allreduce input {i}") for i, x in enumerate(tensors)]
-    arrays = [a for a, _ in prepared]
-    if inplace:
-        outs = [a if t is not None else None for a, t in prepared]
-        finishers = [_inplace_finish(x, t) for x, (_, t) in zip(tensors, prepared, strict=False)]
-        results: list[Any] = list(tensors)
-    else:
-        made = [_new_output(t) for _, t in prepared]
-        outs = [o for _, o in made]
-        results = [r for r, _ in made]
-        finishers = []
-    if any(o is None for o in outs):
-        outs = None  # a failed input: let the core fail the whole group on every rank
-    core = _rf.grouped_allreduce_async(arrays, name=_named("allreduce", name), op=op,
-                                       prescale_factor=prescale, postscale_factor=postscale,
-                                       process_set=process_set,
-                                       compression=_core_compression(compression), outs=outs)
-
-    def finish(_: Any) -> list[torch.Tensor]:
-        for f in finishers:
-            f(None)
-        return results
-
-    return TorchHandle(core, finish)
+    op = kit.resolve_op(op, average)
+    if isinstance(tensor, torch.Tensor) and tensor.is_sparse:
+        return sparse_allreduce_async(tensor, name, op, process_set, prescale_factor,
+                                      postscale_factor)()
+    return _grouped_allreduce([tensor], False, name, op, prescale_factor, postscale_factor,
+                              process_set, compression)[0]
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -253,8 +314,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             process_set: ProcessSet = global_process_set,
                             compression: Any = Compression.none) -> TorchHandle:
     """Start reducing a list of tensors, negotiated together and fused into few buffers."""
-    return _grouped_allreduce_async(tensors, False, name, _op(op, average), prescale_factor,
-                                    postscale_factor, process_set, compression)
+    return _allreduce_async(tensors, True, False, name, kit.resolve_op(op, average),
+                            prescale_factor, postscale_factor, process_set, compression)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -263,8 +324,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              process_set: ProcessSet = global_process_set,
                              compression: Any = Compression.none) -> TorchHandle:
     """In-place form of :func:`grouped_allreduce_async`."""
-    return _grouped_allreduce_async(tensors, True, name, _op(op, average), prescale_factor,
-                                    postscale_factor, process_set, compression)
+    return _allreduce_async(tensors, True, True, name, kit.resolve_op(op, average),
+                            prescale_factor, postscale_factor, process_set, compression)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -275,129 +336,85 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                                                 postscale_factor, process_set))
 
 
-class HorovodGroupedAllreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                process_set: ProcessSet, compression: Any, *tensors: torch.Tensor) -> Any:
-        ctx.args = (name, op, prescale, postscale, process_set)
-        return tuple(synchronize(_grouped_allreduce_async(
-            tensors, False, name, op, prescale, postscale, process_set, compression)))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        name, op, prescale, postscale, process_set = ctx.args
-        out = synchronize(_grouped_allreduce_async(grads, False, _grad_name(name), op, prescale,
-                                                   postscale, process_set, Compression.none))
-        return (None, None, None, None, None, None, *out)
-
-
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression: Any = Compression.none,
                       op: ReduceOp | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce a list of tensors together; differentiable."""
-    op = _op(op, average)
-    if isinstance(compression, Compressor):
-        return list(HorovodGroupedAllreduce.apply(name, op, prescale_factor, postscale_factor,
-                                                  process_set, compression, *tensors))
-    pairs = [compression.compress(t) for t in tensors]
-    outs = HorovodGroupedAllreduce.apply(name, op, prescale_factor, postscale_factor,
-                                         process_set, Compression.none, *(p for p, _ in pairs))
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=False)]
+    return _grouped_allreduce(tensors, True, name, kit.resolve_op(op, average), prescale_factor,
+                              postscale_factor, process_set, compression)
 
 
-# allgather -----------------------------------------------------------------------------------
-def _wrap(result: Any) -> torch.Tensor:
-    return from_numpy(np.asarray(result))
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp,
+                           process_set: ProcessSet = global_process_set,
+                           prescale_factor: float = 1.0,
+                           postscale_factor: float = 1.0) -> Callable[[], torch.Tensor]:
+    """Start reducing the sparse COO ``tensor``: every rank's indices and values are allgathered
+    (Average divides the values by the set size); returns a function that waits and gives the
+    coalesced sparse sum, as Horovod's returns one (Horovod's result is not coalesced; the
+    dense values are the same).
+    """
+    scale = kit.sparse_scale(kit.resolve_op(op, None), prescale_factor, postscale_factor,
+                             process_set, name)
+    t = tensor.coalesce()
+    started = _allgather_async([t.values(), t.indices().t().contiguous()], True,
+                               kit.op_name("sparse", name), process_set)
+
+    def result() -> torch.Tensor:
+        values, indices = synchronize(started)
+        if scale != 1.0:
+            values = values * scale
+        return torch.sparse_coo_tensor(indices.t(), values, t.size()).coalesce()
+
+    return result
+
+
+# allgather ---------------------------------------------------------------------------------------
+def _rows(x: Any) -> int:
+    return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() else 1
+
+
+def _allgather(tensors: Sequence[torch.Tensor], group: bool, name: str | None,
+               process_set: ProcessSet) -> list[torch.Tensor]:
+    spec = kit.Spec("allgather", name, process_set, rows=[_rows(x) for x in tensors])
+
+    def run(ts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], kit.Spec]:
+        outs = synchronize(_allgather_async(ts, group, name, process_set))
+        return (outs if group else [outs]), spec
+
+    return list(_apply(spec, run, tensors))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start concatenating every rank's ``tensor`` along dimension 0 (first dims may differ)."""
-    arr, _ = prepare(tensor, f"allgather input {name or ''}".rstrip())
-    core = _rf.allgather_async(arr, name=_named("allgather", name), process_set=process_set)
-    return TorchHandle(core, _wrap)
-
-
-class HorovodAllgather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
-                process_set: ProcessSet) -> torch.Tensor:
-        ctx.dim = int(tensor.shape[0]) if tensor.dim() else 1
-        ctx.args = (name, process_set)
-        return synchronize(allgather_async(tensor, name, process_set))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        name, process_set = ctx.args
-        reduced = allreduce(grad, name=_grad_name(name), op=Average, process_set=process_set)
-        dims = synchronize(allgather_async(torch.tensor([ctx.dim], dtype=torch.int64),
-                                           _grad_name(name and f"{name}.dims"), process_set))
-        offset = int(dims[: process_set.rank()].sum())
-        return reduced.narrow(0, offset, ctx.dim), None, None
+    return _allgather_async([tensor], False, name, process_set)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dimension 0; differentiable."""
-    return HorovodAllgather.apply(tensor, name, process_set)
+    return _allgather([tensor], False, name, process_set)[0]
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> TorchHandle:
-    arrays = [prepare(x, f"grouped_allgather input {i}")[0] for i, x in enumerate(tensors)]
-    core = _rf.grouped_allgather_async(arrays, name=_named("allgather", name),
-                                       process_set=process_set)
-    return TorchHandle(core, lambda res: [_wrap(r) for r in res])
-
-
-class HorovodGroupedAllgather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, name: str | None, process_set: ProcessSet,
-                *tensors: torch.Tensor) -> Any:
-        ctx.dims = [int(t.shape[0]) if t.dim() else 1 for t in tensors]
-        ctx.args = (name, process_set)
-        return tuple(synchronize(grouped_allgather_async(tensors, name, process_set)))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        name, process_set = ctx.args
-        reduced = grouped_allreduce(list(grads), name=_grad_name(name), op=Average,
-                                    process_set=process_set)
-        dims = synchronize(allgather_async(torch.tensor([ctx.dims], dtype=torch.int64),
-                                           _grad_name(name and f"{name}.dims"), process_set))
-        offsets = dims[: process_set.rank()].sum(dim=0)
-        return (None, None, *(g.narrow(0, int(o), d)
-                              for g, o, d in zip(reduced, offsets, ctx.dims, strict=False)))
+    return _allgather_async(tensors, True, name, process_set)
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather a list of tensors together; differentiable."""
-    return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
+    return _allgather(tensors, True, name, process_set)
 
 
-# broadcast -----------------------------------------------------------------------------------
-def _broadcast_async(tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet,
-                     inplace: bool) -> TorchHandle:
-    arr, t = prepare(tensor, f"broadcast input {name or ''}".rstrip())
-    if inplace:
-        out, finish = (arr if t is not None else None), _inplace_finish(tensor, t)
-    else:
-        result, out = _new_output(t)
-        finish = lambda _: result  # noqa: E731
-    core = _rf.broadcast_async(arr, root_rank, name=_named("broadcast", name),
-                               process_set=process_set, out=out)
-    return TorchHandle(core, finish)
-
-
+# broadcast ---------------------------------------------------------------------------------------
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> TorchHandle:
-    """Start copying ``root_rank``'s tensor into a new tensor on every rank.
+    """Start copying ``root_rank``'s tensor into a new tensor on every rank of ``process_set``.
 
-    ``root_rank`` is a rank *within* ``process_set`` (the same as the global rank for the global
-    set).
+    ``root_rank`` is a global rank (as in Horovod 0.28) and must be a member of the set.
     """
     return _broadcast_async(tensor, root_rank, name, process_set, False)
 
@@ -413,40 +430,18 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-class HorovodBroadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
-                process_set: ProcessSet) -> torch.Tensor:
-        ctx.args = (root_rank, name, process_set)
-        return synchronize(_broadcast_async(tensor, root_rank, name, process_set, False))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        root_rank, name, process_set = ctx.args
-        reduced = allreduce(grad, name=_grad_name(name), op=Average, process_set=process_set)
-        if process_set.rank() != root_rank:
-            reduced = torch.zeros_like(reduced)
-        return reduced, None, None, None
-
-
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every rank gets ``root_rank``'s ``tensor`` as a new tensor; differentiable."""
-    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+    spec = kit.Spec("broadcast", name, process_set, root=int(root_rank))
+
+    def run(ts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], kit.Spec]:
+        return [synchronize(_broadcast_async(ts[0], root_rank, name, process_set, False))], spec
+
+    return _apply(spec, run, [tensor])[0]
 
 
-# alltoall ------------------------------------------------------------------------------------
-def _splits_list(tensor: Any, splits: Any, process_set: ProcessSet) -> list[int] | None:
-    if splits is not None:
-        return [int(s) for s in np.asarray(
-            splits.detach().cpu().numpy() if isinstance(splits, torch.Tensor) else splits
-        ).reshape(-1)]
-    if isinstance(tensor, torch.Tensor) and tensor.dim():
-        n, rows = process_set.size(), int(tensor.shape[0])
-        return [rows // n + (1 if d < rows % n else 0) for d in range(n)]
-    return None
-
-
+# alltoall ----------------------------------------------------------------------------------------
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start sending ``splits[d]`` rows of ``tensor`` to rank ``d`` of ``process_set``.
@@ -454,9 +449,12 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     Without ``splits`` the first dimension is divided as evenly as possible, lower ranks first.
     :func:`synchronize` returns ``(received rows, received splits as an int32 tensor)``.
     """
-    arr, _ = prepare(tensor, f"alltoall input {name or ''}".rstrip())
-    split_list = _splits_list(tensor, splits, process_set)
-    core = _rf.alltoall_async(arr, splits=split_list, name=_named("alltoall", name),
+    arr, _ = prepare(tensor, "alltoall input")
+    if isinstance(splits, torch.Tensor):
+        splits = splits.detach().cpu().reshape(-1).tolist()
+    elif splits is None and isinstance(tensor, torch.Tensor) and tensor.dim():
+        splits = kit.even_splits(int(tensor.shape[0]), process_set.size())
+    core = _rf.alltoall_async(arr, splits=splits, name=kit.op_name("alltoall", name),
                               process_set=process_set)
 
     def finish(result: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,66 +464,47 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     return TorchHandle(core, finish)
 
 
-class HorovodAlltoall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
-                process_set: ProcessSet) -> Any:
-        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
-        ctx.args = (received, name, process_set)
-        if splits is None:
-            return output
-        ctx.mark_non_differentiable(received)
-        return output, received
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, *dead: Any) -> tuple[Any, ...]:
-        received, name, process_set = ctx.args
-        out, _ = synchronize(alltoall_async(grad, received, _grad_name(name), process_set))
-        return out, None, None, None
-
-
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Scatter rows of ``tensor`` to every rank and gather theirs; differentiable.
 
     Returns the received rows, and also the received splits when ``splits`` was given (Horovod).
     """
-    return HorovodAlltoall.apply(tensor, splits, name, process_set)
+    spec = kit.Spec("alltoall", name, process_set)
+
+    def run(ts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], kit.Spec]:
+        rows, received = synchronize(alltoall_async(ts[0], splits, name, process_set))
+        return [rows, received], kit.Spec("alltoall", name, process_set, received=received)
+
+    rows, received = _apply(spec, run, [tensor], differentiable=1)
+    return rows if splits is None else (rows, received)
 
 
-# reducescatter -------------------------------------------------------------------------------
+# reducescatter -----------------------------------------------------------------------------------
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> TorchHandle:
     """Start reducing ``tensor``; each rank receives its share of rows (lower ranks the rest)."""
-    arr, _ = prepare(tensor, f"reducescatter input {name or ''}".rstrip())
-    core = _rf.reducescatter_async(arr, name=_named("reducescatter", name), op=_op(op, None),
-                                   process_set=process_set, prescale_factor=prescale_factor,
-                                   postscale_factor=postscale_factor)
-    return TorchHandle(core, _wrap)
+    return _reducescatter_async([tensor], False, name, kit.resolve_op(op, None), process_set,
+                                prescale_factor, postscale_factor)
 
 
-def _scatter_grad(grad: torch.Tensor, name: str | None, op: ReduceOp, scale: float,
-                  process_set: ProcessSet) -> torch.Tensor:
-    out = allgather(grad, name=_grad_name(name), process_set=process_set)
-    if op == Average:
-        scale /= process_set.size()
-    return out * scale if scale != 1.0 else out
+def _reducescatter(tensors: Sequence[torch.Tensor], group: bool, name: str | None, op: ReduceOp,
+                   process_set: ProcessSet, prescale: float, postscale: float,
+                   compression: Any) -> list[torch.Tensor]:
+    op = kit.resolve_op(op, None)
+    spec = kit.Spec("reducescatter", name, process_set, op, prescale, postscale)
 
+    def reduce(xs: Sequence[torch.Tensor], core: Compressor) -> list[torch.Tensor]:
+        def run(ts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], kit.Spec]:
+            outs = synchronize(_reducescatter_async(ts, group, name, op, process_set, prescale,
+                                                    postscale, core))
+            return (outs if group else [outs]), spec
 
-class HorovodReducescatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
-                process_set: ProcessSet, prescale: float, postscale: float) -> torch.Tensor:
-        ctx.args = (name, op, process_set, prescale * postscale)
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale,
-                                               postscale))
+        return list(_apply(spec, run, xs))
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        name, op, process_set, scale = ctx.args
-        return _scatter_grad(grad, name, op, scale, process_set), None, None, None, None, None
+    return kit.compressed(compression, tensors, reduce)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
@@ -533,10 +512,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` and keep this rank's share of rows; differentiable."""
-    compressed, ctx = compression.compress(tensor)
-    out = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor,
-                                     postscale_factor)
-    return compression.decompress(out, ctx)
+    return _reducescatter([tensor], False, name, op, process_set, prescale_factor,
+                          postscale_factor, compression)[0]
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -544,28 +521,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> TorchHandle:
-    arrays = [prepare(x, f"grouped_reducescatter input {i}")[0] for i, x in enumerate(tensors)]
-    core = _rf.grouped_reducescatter_async(
-        arrays, name=_named("reducescatter", name), op=_op(op, None), process_set=process_set,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-    return TorchHandle(core, lambda res: [_wrap(r) for r in res])
-
-
-class HorovodGroupedReducescatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, process_set: ProcessSet,
-                prescale: float, postscale: float, *tensors: torch.Tensor) -> Any:
-        ctx.args = (name, op, process_set, prescale * postscale)
-        return tuple(synchronize(grouped_reducescatter_async(tensors, name, op, process_set,
-                                                             prescale, postscale)))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        name, op, process_set, scale = ctx.args
-        outs = grouped_allgather(list(grads), name=_grad_name(name), process_set=process_set)
-        if op == Average:
-            scale /= process_set.size()
-        return (None, None, None, None, None, *(o * scale for o in outs))
+    return _reducescatter_async(tensors, True, name, kit.resolve_op(op, None), process_set,
+                                prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -574,13 +531,11 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reducescatter a list of tensors together; differentiable."""
-    pairs = [compression.compress(t) for t in tensors]
-    outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor,
-                                             postscale_factor, *(p for p, _ in pairs))
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=False)]
+    return _reducescatter(tensors, True, name, op, process_set, prescale_factor,
+                          postscale_factor, compression)
 
 
-# synchronization -----------------------------------------------------------------------------
+# synchronization ---------------------------------------------------------------------------------
 def join(device: int = -1) -> int:
     """Stop contributing data until every rank joined; returns the last rank to join.
 

@@ -32,12 +32,17 @@ from typing import Any
 import torch
 
 from .. import ProcessSet, global_process_set, size
+from .._adapter import broadcast_object, split_groups
 from ..compression import Compressor
-from ..errors import RingflowError
+from ..errors import AdasumError, RingflowError
 from ..ops import Adasum, Average, ReduceOp
 from .compression import Compression
-from .functions import broadcast_object
-from .mpi_ops import allgather_async, allreduce_async_, grouped_allreduce_async_, synchronize
+from .mpi_ops import (
+    allreduce_async_,
+    grouped_allreduce_async_,
+    sparse_allreduce_async,
+    synchronize,
+)
 
 __all__ = ["DistributedOptimizer", "OptimizerMisuseError"]
 
@@ -53,17 +58,6 @@ class OptimizerMisuseError(RingflowError, AssertionError):
 _SMALL_GRADIENT_BYTES = 1 << 20
 _BUCKET_BYTES = 4 << 20
 _PENDING = object()  # a handle slot whose gradient waits in the bucket
-
-
-def _split_list(items: list[Any], parts: int) -> list[list[Any]]:
-    """``items`` in ``parts`` consecutive runs whose lengths differ by at most one."""
-    q, r = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + q + (1 if i < r else 0)
-        out.append(items[start:end])
-        start = end
-    return [x for x in out if x]
 
 
 class _DistributedOptimizer:
@@ -143,7 +137,7 @@ class _DistributedOptimizer:
                 grouped = {id(p) for g in p_groups for p in g}
                 p_groups += [[p] for p in params if id(p) not in grouped]
             else:
-                p_groups = _split_list(params, self._groups)
+                p_groups = split_groups(params, self._groups)
             for group in map(tuple, p_groups):
                 if not group:
                     continue
@@ -231,7 +225,8 @@ class _DistributedOptimizer:
         tensor = p.grad
         if tensor.is_sparse:
             if not self.sparse_as_dense:
-                return self._sparse_allreduce_grad_async(p, name), None
+                # Horovod's sparse path: allgather of indices and values (a function to call).
+                return sparse_allreduce_async(tensor, name, self.op, self.process_set), None
             tensor = tensor.to_dense()
         pre, post = self._scales()
         if isinstance(self._compression, Compressor):
@@ -243,24 +238,6 @@ class _DistributedOptimizer:
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
                                   postscale_factor=post, process_set=self.process_set)
         return handle, ("custom", ctx)
-
-    def _sparse_allreduce_grad_async(self, p: torch.Tensor, name: str | None) -> Any:
-        grad = p.grad.coalesce()
-        indices = allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices",
-                                  process_set=self.process_set)
-        values = allgather_async(grad.values(), name=f"{name}.values",
-                                 process_set=self.process_set)
-        n = self.process_set.size()
-
-        def result() -> torch.Tensor:
-            vals = synchronize(values)
-            idx = synchronize(indices)
-            if self.op == Average:
-                vals = vals / n
-            return torch.sparse_coo_tensor(idx.t(), vals, grad.size(),
-                                           check_invariants=True).coalesce()
-
-        return result
 
     def _grouped_allreduce_grad_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
         for p in group:
@@ -389,7 +366,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     Raises:
         ValueError: bad ``backward_passes_per_step``, ``gradient_predivide_factor`` with an op other
             than Average, bad ``named_parameters`` or ``groups`` (Horovod's messages).
-        TensorError: ``op=Adasum`` (not supported by ringflow yet).
+        AdasumError: ``op=Adasum`` (Horovod's delta-based Adasum optimizer is not implemented;
+            ``allreduce(op=Adasum)`` is).
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -401,10 +379,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
     if op == Adasum:
-        from ..errors import TensorError
-
-        raise TensorError("DistributedOptimizer(op=Adasum) is not supported by ringflow yet; "
-                          "use op=Average (the default) or op=Sum")
+        raise AdasumError("DistributedOptimizer(op=Adasum) (Horovod's delta-based Adasum "
+                          "optimizer) is not implemented by ringflow; use op=Average (the "
+                          "default) or op=Sum, or allreduce(op=Adasum) on tensors")
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base),
                {"_ringflow_base_step": base.step, "__module__": __name__})

@@ -370,20 +370,15 @@ class TcpTransport:
             peer.close(deadline)
 
 
-def _bind_host(config: object) -> str:
+def _bind_host(config: object, store: object) -> str:
+    """``bind_addr`` if set; else the address of the interface this process reaches the
+    rendezvous store through, which is the one its peers can reach it on (127.0.0.1 for a
+    store that is not on the network)."""
     host = getattr(config, "bind_addr", "") or ""
     if host:
         return host
-    import os
-
-    addr = os.environ.get("RINGFLOW_RENDEZVOUS_ADDR", "127.0.0.1")
-    if addr in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    # The interface that routes to the rendezvous server is the one peers can reach us on.
-    # connect() on a UDP socket sends nothing; it only resolves the route.
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((addr, int(os.environ.get("RINGFLOW_RENDEZVOUS_PORT", "9"))))
-        return probe.getsockname()[0]
+    local = getattr(store, "local_address", None)
+    return local() if local is not None else "127.0.0.1"
 
 
 def _data_secret(rank: int, store: object, prefix: str, timeout: float) -> bytes:
@@ -416,7 +411,7 @@ def create(
         return TcpTransport(rank, size, {}, timeout)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((_bind_host(config), 0))
+    listener.bind((_bind_host(config, store), 0))
     listener.listen(size)
     host, port = listener.getsockname()
     store.set(f"{prefix}tcp/{rank}", f"{host}:{port}".encode())  # type: ignore[attr-defined]

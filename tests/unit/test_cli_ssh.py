@@ -83,7 +83,8 @@ def test_tuning_flags_become_worker_variables():
     assert args.command == ["python", "x.py"]
     assert cli.worker_overrides(parse("-np", "2", "x")) == {}
     off = cli.worker_overrides(parse("-np", "2", "--no-stall-check", "x"))
-    assert off == {"RINGFLOW_STALL_WARNING_S": "0", "RINGFLOW_STALL_SHUTDOWN_S": "0"}
+    assert off == {"RINGFLOW_STALL_WARNING_S": "0", "RINGFLOW_STALL_SHUTDOWN_S": "0",
+                   "RINGFLOW_DEADLOCK_SHUTDOWN_S": "0"}
 
 
 def test_config_file_keys_are_long_flags_and_the_command_line_wins(tmp_path):

@@ -272,6 +272,28 @@ def test_a_stall_names_the_tensor_and_the_missing_ranks() -> None:
     assert "missing ranks [1]" in fatal and "RINGFLOW_STALL_SHUTDOWN_S" in fatal
 
 
+def test_a_deadlock_fails_once_nothing_changed_for_its_limit() -> None:
+    c = coordinator()
+    c.submit(0, [ar("a")], [])
+    c.submit(2, [ar("a")], [])
+    c.submit(1, [ar("b")], [])  # rank 1 waits in 'b'; ranks 0 and 2 wait for it in 'a'
+    assert c.plan() == []
+    assert c.stalled(warn_after=0, fail_after=0, deadlock_after=5) == ([], "")  # just changed
+    c.last_change -= 10.0
+    _, fatal = c.stalled(warn_after=0, fail_after=0, deadlock_after=5)
+    assert fatal.startswith("deadlock: ") and "RINGFLOW_DEADLOCK_SHUTDOWN_S" in fatal
+    assert "'a' submitted by ranks [0, 2], missing ranks [1]" in fatal
+    assert "'b' submitted by ranks [1], missing ranks [0, 2]" in fatal
+
+
+def test_a_rank_busy_elsewhere_is_a_stall_not_a_deadlock() -> None:
+    c = coordinator()
+    for rank in (0, 2):
+        c.submit(rank, [ar("a")], [])  # rank 1 has submitted nothing: it may be computing
+    c.last_change -= 100.0
+    assert c.stalled(warn_after=0, fail_after=0, deadlock_after=5) == ([], "")
+
+
 def test_a_subset_process_set_needs_only_its_members() -> None:
     c = coordinator(size=4, sets={1: [1, 3]})
     c.submit(1, [ar("s", process_set=1)], [])

@@ -85,7 +85,8 @@ def suite(ps: rf.ProcessSet, tag: str, big: int) -> dict[str, str]:
             x = closed.block(root, length, dtype, 1).reshape(-1)
             if q != root:
                 x[...] = 0
-            r = rf.broadcast(x, root, name=f"{tag}.bc.{dtype}.{length}", process_set=ps)
+            r = rf.broadcast(x, (ps.ranks or range(rf.size()))[root], name=f"{tag}.bc.{dtype}.{length}",
+                             process_set=ps)  # root_rank is global
             np.testing.assert_array_equal(r, closed.block(root, length, dtype, 1).reshape(-1))
             got.append(r)
         record(f"broadcast.{dtype}", got)

@@ -176,11 +176,12 @@ def local_errors(r: int, n: int) -> dict[str, Any]:
     rf.allreduce(x, name="l.after2")
     out["bool"] = failure(rf.allreduce, np.ones(3, bool), name="l.bool", op=rf.Average)
     out["root"] = failure(rf.broadcast, x, n, name="l.root")
-    # A name submitted again while in flight: that call fails on its rank; the first goes on.
-    # The others submit it after rank 0's second call, so the first cannot have finished by then.
+    # A name submitted again while in flight: that call raises at once on its rank (as Horovod
+    # does); the first goes on. The others submit it after rank 0's second call, so the first
+    # cannot have finished by then.
     if r == 0:
         h1 = rf.allreduce_async(np.full(4, r + 1.0), name="l.dup", op=rf.Sum)
-        out["dup_second"] = wait_failure(rf.allreduce_async(x, name="l.dup"))
+        out["dup_second"] = failure(rf.allreduce_async, x, name="l.dup")
     rf.barrier()
     if r != 0:
         h1 = rf.allreduce_async(np.full(4, r + 1.0), name="l.dup", op=rf.Sum)
@@ -202,7 +203,7 @@ def process_sets(r: int, n: int) -> dict[str, Any]:
         check(np.array_equal(h.wait(60), np.full(5, want)), f"ps.{i} in {mine}: wrong")
     got = rf.allgather(np.full(1, r), name="ps.gather", process_set=mine)
     check(got.tolist() == [base, base + 1], f"allgather in {mine}: {got}")
-    got = rf.broadcast(np.full(2, r), 1, name="ps.bcast", process_set=mine)
+    got = rf.broadcast(np.full(2, r), base + 1, name="ps.bcast", process_set=mine)  # global root
     check(got.tolist() == [base + 1] * 2, f"broadcast in {mine}: {got}")
     out["non_member"] = failure(rf.allreduce, np.ones(2), name="ps.outsider", process_set=other)
     got = rf.allreduce(np.full(2, r + 1), name="ps.global", op=rf.Sum)

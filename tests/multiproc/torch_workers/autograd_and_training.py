@@ -69,15 +69,16 @@ check(not recv.requires_grad, "received splits are not differentiable")
 close(x.grad, torch.arange(1, n + 1, dtype=torch.float32).unsqueeze(1).expand(n, 3),
       "alltoallv grad")
 rows = [2 * n // n] * n
-for op, div in [(hvd.Sum, 1), (hvd.Average, n)]:
+# Horovod's rule: allgather of the output gradients, times the set size for Sum.
+for op, mult in [(hvd.Sum, n), (hvd.Average, 1)]:
     x = torch.ones(2 * n, 2, requires_grad=True)
     (hvd.reducescatter(x, op=op, name=f"rs{int(op)}") * w).sum().backward()
     close(x.grad, torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(2)
-          .unsqueeze(1).expand(2 * n, 2) / div, f"reducescatter grad op {op.name}")
+          .unsqueeze(1).expand(2 * n, 2) * mult, f"reducescatter grad op {op.name}")
 xs = [torch.ones(n, requires_grad=True), torch.ones(n, 2, requires_grad=True)]
 outs = hvd.grouped_reducescatter(xs, op=hvd.Sum, name="grs")
 (sum(o.sum() for o in outs) * w).backward()
-close(xs[1].grad, torch.arange(1, n + 1, dtype=torch.float32).unsqueeze(1).expand(n, 2),
+close(xs[1].grad, torch.arange(1, n + 1, dtype=torch.float32).unsqueeze(1).expand(n, 2) * n,
       "grouped reducescatter grad")
 
 # DistributedOptimizer: n ranks x batch B == one process x batch nB ---------------------------

@@ -1,0 +1,284 @@
+"""The adapter kit: what ``ringflow.torch`` and ``ringflow.tensorflow`` share, written once.
+
+An adapter converts its framework's tensors to numpy arrays and back and wires its autograd; all
+the rest of Horovod's semantics lives here, so the two adapters cannot drift apart:
+
+- :func:`resolve_op`: ``op=`` with Horovod's deprecated ``average=`` flag;
+- :func:`op_name` / :func:`grad_name`: the names ranks match operations by;
+- :func:`even_splits`, :func:`split_groups`: default alltoall splits, gradient groups;
+- :func:`compressed`: a core compressor goes to the engine (it casts while fusing), any other
+  object with Horovod's ``compress``/``decompress`` is applied around the collective;
+- :func:`broadcast_object` / :func:`allgather_object`: Python objects (cloudpickle when
+  installed), framework-free;
+- :class:`Invalid`: a tensor that failed local validation, turned into a request that fails on
+  every rank instead of an exception on one (which would leave the others waiting);
+- :data:`GRADIENTS`: one gradient rule per differentiable collective, written over the small
+  :class:`Ops` interface that each adapter implements with its own tensors; torch applies a rule
+  in ``autograd.Function.backward``, TensorFlow in ``tf.custom_gradient``;
+- :func:`sparse_scale`: Horovod's sparse allreduce (allgather of values and indices).
+
+Gradient rules are Horovod 0.28's (``horovod/torch/mpi_ops.py``, ``horovod/tensorflow/mpi_ops.py``),
+which take the loss to be averaged over ranks:
+
+==============  ======================================================================
+collective      gradient of the inputs, from the gradients of the outputs ``dy``
+==============  ======================================================================
+allreduce       allreduce of ``dy`` with the same op and scale factors
+allgather       Average-allreduce of ``dy``, then the rows this rank contributed
+broadcast       Average-allreduce of ``dy`` on the root (a global rank), zeros elsewhere
+alltoall        alltoall of ``dy`` with the splits this rank received
+reducescatter   allgather of ``dy``, times the set size for Sum, times prescale * postscale
+==============  ======================================================================
+
+Grouped collectives apply the same rule to every tensor of the group, as one grouped operation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from . import ProcessSet, global_process_set, rank
+from .compression import Compression, Compressor
+from .ops import ReduceOp
+
+try:  # cloudpickle handles lambdas and local classes, as in Horovod; pickle otherwise
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - depends on the environment
+    _pickler = pickle  # type: ignore[assignment]
+
+__all__ = [
+    "GRADIENTS", "Invalid", "Ops", "Spec", "allgather_object", "broadcast_object",
+    "compressed", "even_splits", "grad_name", "op_name", "resolve_op",
+    "sparse_scale", "split_groups",
+]
+
+T = TypeVar("T")
+
+
+# arguments ---------------------------------------------------------------------------------------
+def resolve_op(op: ReduceOp | int | None, average: bool | None) -> ReduceOp:
+    """The reduce op of a call that may use Horovod's deprecated ``average=`` flag.
+
+    Raises:
+        ValueError: both ``op`` and ``average`` were given (Horovod's text).
+    """
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of "
+                             "them.")
+        return ReduceOp(op)
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in "
+                      "v1.0", DeprecationWarning, stacklevel=3)
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return ReduceOp.AVERAGE
+
+
+def op_name(kind: str, name: str | None) -> str | None:
+    """The name a named operation travels under, ``"<kind>.<name>"`` (as Horovod's C++ layer
+    prefixes names), so that a broadcast and an allreduce may share a user name; None stays None
+    (the core then names the operation by call order)."""
+    return None if name is None else f"{kind}.{name}"
+
+
+def grad_name(name: str | None) -> str | None:
+    """The name of the backward operation of a forward operation named ``name``."""
+    return None if name is None else f"{name}.grad"
+
+
+def even_splits(rows: int, parts: int) -> list[int]:
+    """``rows`` divided among ``parts`` ranks as evenly as possible, lower ranks taking the rest
+    (alltoall's default splits)."""
+    q, rem = divmod(rows, parts)
+    return [q + (1 if i < rem else 0) for i in range(parts)]
+
+
+def split_groups(items: Sequence[T], parts: int) -> list[list[T]]:
+    """``items`` in ``parts`` consecutive runs whose lengths differ by at most one (Horovod's
+    ``num_groups``); empty runs are dropped."""
+    sizes = even_splits(len(items), max(1, min(parts, len(items))))
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(items[start:start + size]))
+        start += size
+    return [run for run in out if run]
+
+
+def compressed(compression: Any, tensors: Sequence[T],
+               run: Callable[[Sequence[T], Compressor], Sequence[T]]) -> list[T]:
+    """``run(tensors, core_compressor)`` with ``compression`` applied.
+
+    A core :class:`~ringflow.compression.Compressor` (``Compression.fp16``, ...) is handed to the
+    engine, which casts while it packs the fusion buffer; any other object with Horovod's
+    ``compress(t) -> (t, ctx)`` / ``decompress(t, ctx)`` is applied around the collective.
+    """
+    if isinstance(compression, Compressor):
+        return list(run(tensors, compression))
+    pairs = [compression.compress(t) for t in tensors]
+    outs = run([t for t, _ in pairs], Compression.none)
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs, strict=True)]
+
+
+# objects -----------------------------------------------------------------------------------------
+def _dumps(obj: Any) -> np.ndarray:
+    buf = io.BytesIO()
+    _pickler.dump(obj, buf)
+    return np.frombuffer(buf.getbuffer(), np.uint8)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s ``obj`` on every rank of ``process_set``; the root gets ``obj`` itself.
+
+    ``root_rank`` is a global rank. The default name is fixed (Horovod uses the type's name,
+    which differs when non-root ranks pass ``None``, as they usually do, and then stalls).
+    Objects travel pickled (cloudpickle when installed) after every connection proved the job
+    secret, so unpickling them is as safe as the training script itself.
+    """
+    from . import broadcast
+
+    base = f"broadcast_object.{name or 'object'}"
+    root = rank() == root_rank
+    payload = _dumps(obj) if root else np.zeros(0, np.uint8)
+    length = broadcast(np.asarray([payload.size], np.int64), root_rank, name=f"{base}.len",
+                       process_set=process_set)
+    data = broadcast(payload if root else np.empty(int(length[0]), np.uint8), root_rank,
+                     name=f"{base}.data", process_set=process_set)
+    return obj if root else _pickler.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Every rank's ``obj``, in rank order of ``process_set`` (pickled as in
+    :func:`broadcast_object`; the default name is fixed for the same reason)."""
+    from . import allgather
+
+    base = f"allgather_object.{name or 'object'}"
+    payload = _dumps(obj)
+    lengths = allgather(np.asarray([payload.size], np.int64), name=f"{base}.len",
+                        process_set=process_set)
+    data = allgather(payload, name=f"{base}.data", process_set=process_set)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return [_pickler.loads(data[offsets[i]:offsets[i + 1]].tobytes())
+            for i in range(lengths.size)]
+
+
+# local validation --------------------------------------------------------------------------------
+class Invalid:
+    """Stands for a tensor that failed local validation; ``np.asarray`` of it raises the reason.
+
+    The core turns that into a request carrying the error, so the operation fails on every rank
+    with the same text. ``ndim`` / ``shape`` let shape helpers look at it without converting it.
+    """
+
+    ndim = 1
+    shape = (0,)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError(self.reason)
+
+
+# gradients ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One forward collective call, as its gradient rule needs it."""
+
+    kind: str  # allreduce, allgather, broadcast, alltoall, reducescatter
+    name: str | None
+    process_set: ProcessSet
+    op: ReduceOp = ReduceOp.AVERAGE
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: int = -1
+    rows: Any = None  # allgather: this rank's first dimension of each input (framework values)
+    received: Any = None  # alltoall: the splits this rank received
+
+
+class Ops(Protocol[T]):
+    """What a gradient rule needs from a framework: collectives on lists of its tensors (one
+    tensor: the plain op; several: the grouped op), and three local tensor operations."""
+
+    def allreduce(self, xs: list[T], op: ReduceOp, prescale: float, postscale: float,
+                  process_set: ProcessSet, name: str | None) -> list[T]: ...
+
+    def allgather(self, xs: list[T], process_set: ProcessSet, name: str | None) -> list[T]: ...
+
+    def alltoall(self, x: T, splits: Any, process_set: ProcessSet, name: str | None) -> T: ...
+
+    def scale(self, x: T, factor: float) -> T: ...
+
+    def zeros_like(self, x: T) -> T: ...
+
+    def own_rows(self, xs: list[T], rows: Any, process_set: ProcessSet,
+                 name: str | None) -> list[T]:
+        """Of each ``xs[i]`` (a concatenation over the members of ``process_set``), the
+        ``rows[i]`` rows this rank contributed; where they start takes one allgather of every
+        member's row counts, named ``name``."""
+        ...
+
+
+def _allreduce_grad(f: Ops[T], dys: list[T], s: Spec) -> list[T]:
+    return f.allreduce(dys, s.op, s.prescale, s.postscale, s.process_set, grad_name(s.name))
+
+
+def _allgather_grad(f: Ops[T], dys: list[T], s: Spec) -> list[T]:
+    name = grad_name(s.name)
+    reduced = f.allreduce(dys, ReduceOp.AVERAGE, 1.0, 1.0, s.process_set, name)
+    return f.own_rows(reduced, s.rows, s.process_set, None if name is None else f"{name}.rows")
+
+
+def _broadcast_grad(f: Ops[T], dys: list[T], s: Spec) -> list[T]:
+    reduced = f.allreduce(dys, ReduceOp.AVERAGE, 1.0, 1.0, s.process_set, grad_name(s.name))
+    return reduced if rank() == s.root else [f.zeros_like(g) for g in reduced]
+
+
+def _alltoall_grad(f: Ops[T], dys: list[T], s: Spec) -> list[T]:
+    return [f.alltoall(dys[0], s.received, s.process_set, grad_name(s.name))]
+
+
+def _reducescatter_grad(f: Ops[T], dys: list[T], s: Spec) -> list[T]:
+    factor = (s.process_set.size() if s.op == ReduceOp.SUM else 1) * s.prescale * s.postscale
+    gathered = f.allgather(dys, s.process_set, grad_name(s.name))
+    return gathered if factor == 1.0 else [f.scale(g, factor) for g in gathered]
+
+
+#: kind -> rule(ops, output gradients, forward spec) -> input gradients
+GRADIENTS: dict[str, Callable[[Ops[Any], list[Any], Spec], list[Any]]] = {
+    "allreduce": _allreduce_grad,
+    "allgather": _allgather_grad,
+    "broadcast": _broadcast_grad,
+    "alltoall": _alltoall_grad,
+    "reducescatter": _reducescatter_grad,
+}
+
+
+# sparse ------------------------------------------------------------------------------------------
+def sparse_scale(op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet,
+                 name: str | None) -> float:
+    """The factor of the gathered values of a sparse allreduce.
+
+    A sparse tensor (torch COO, ``tf.IndexedSlices``) is reduced as Horovod does it: every rank's
+    values and indices are allgathered, so the represented dense tensors add up (duplicate
+    indices included); Average divides the values by the set size, and the scale factors
+    multiply them. Horovod treats any other op as Sum; ringflow refuses it (at the call, on
+    every rank alike), since the result would silently not be a Min/Max/Product.
+
+    Raises:
+        TensorError: ``op`` is not Sum or Average.
+    """
+    from .errors import TensorError
+
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise TensorError(f"allreduce of the sparse tensor {name or '(unnamed)'} supports op Sum "
+                          f"or Average, not {op.name}; densify it first (sparse_as_dense=True)")
+    return prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
