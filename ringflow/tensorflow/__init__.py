@@ -200,7 +200,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
             [tensor.values, tensor.indices], kit.op_name("sparse", name), ignore_name_scope,
             process_set)
         if scale != 1.0:
-            values = values * tf.cast(scale, values.dtype)
+            values = values * tf.constant(scale, values.dtype)
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
 
     def reduce(xs: Sequence[tf.Tensor], core: Compressor) -> list[tf.Tensor]:

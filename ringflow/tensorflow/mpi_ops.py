@@ -134,7 +134,7 @@ class _TFOps:
         return alltoall(x, splits, name, True, process_set)[0]
 
     def scale(self, x: tf.Tensor, factor: float) -> tf.Tensor:
-        return x * tf.cast(factor, x.dtype)
+        return x * tf.constant(factor, x.dtype)  # tf.cast of a float goes through float32
 
     def zeros_like(self, x: tf.Tensor) -> tf.Tensor:
         return tf.zeros_like(x)

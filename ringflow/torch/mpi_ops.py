@@ -365,7 +365,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp,
         values, indices = synchronize(started)
         if scale != 1.0:
             values = values * scale
-        return torch.sparse_coo_tensor(indices.t(), values, t.size()).coalesce()
+        return torch.sparse_coo_tensor(indices.t(), values, t.size(),
+                                       check_invariants=True).coalesce()
 
     return result
 

@@ -55,3 +55,18 @@ def test_mpirun_np_2_allreduce(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
     assert lines == ["rank 0 of 2 local 0 sum 3", "rank 1 of 2 local 1 sum 3"], proc.stdout
+
+
+def test_stall_shutdown_then_shutdown_and_init_under_mpirun(tmp_path):
+    """The mpirun path of a re-init: the rendezvous over mpi4py runs again on the same ranks."""
+    script = Path(ROOT) / "tests" / "multiproc" / "conformance" / "reinit.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGFLOW_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env["RINGFLOW_STALL_SHUTDOWN_S"] = "2"  # local ranks inherit mpirun's environment
+    proc = subprocess.run(
+        [MPIRUN, *mpirun_flags(), "-np", "2", sys.executable, str(script)],
+        env=env, capture_output=True, text=True, timeout=100, cwd=str(tmp_path),
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("PASS rank") == 2, out[-4000:]

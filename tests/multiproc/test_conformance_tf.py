@@ -1,0 +1,28 @@
+"""Horovod 0.28 conformance of ringflow.tensorflow (issue 14), eager and inside ``tf.function``,
+at 2 and 3 ranks; and the cross-framework check: forward and gradients of every differentiable
+collective are equal in torch and TensorFlow (both apply the adapter kit's rules).
+
+The checks live in ``conformance/worker.py``, shared with test_conformance_torch.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from conformance.launch import conform  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("mode", ["tf-eager", "tf-function"])
+def test_tf_conformance(mode: str, np_: int) -> None:
+    conform(mode, np_)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_torch_and_tensorflow_agree(np_: int) -> None:
+    pytest.importorskip("torch")
+    conform("cross", np_)
