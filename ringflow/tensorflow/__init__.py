@@ -93,6 +93,7 @@ from .mpi_ops import (
     join,
     local_rank_op,
     local_size_op,
+    process_set_included_op,
     rank_op,
     size_op,
 )
@@ -150,6 +151,7 @@ __all__ = [
     "mpi_enabled",
     "mpi_threads_supported",
     "nccl_built",
+    "process_set_included_op",
     "rank",
     "rank_op",
     "reducescatter",

@@ -52,6 +52,7 @@ __all__ = [
     "join",
     "local_rank_op",
     "local_size_op",
+    "process_set_included_op",
     "rank_op",
     "size_op",
 ]
@@ -386,6 +387,11 @@ def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
 
 def rank_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     return tf.constant(_set_by_id(process_set_id).rank(), tf.int32, name=name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """1 (int32) if this rank belongs to the process set, else 0."""
+    return tf.constant(int(_set_by_id(process_set_id).included()), tf.int32, name=name)
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:

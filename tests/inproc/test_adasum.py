@@ -7,6 +7,8 @@ collective must match it closely on every rank and be bitwise identical across r
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -34,7 +36,7 @@ def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def reference(vectors: list[np.ndarray], counts: list[int]) -> np.ndarray:
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     out = []
-    for s, e in zip(starts[:-1], starts[1:], strict=True):
+    for s, e in itertools.pairwise(starts):
         level = [v[s:e].astype(np.float64) for v in vectors]
         while len(level) > 1:
             level = [combine(level[k], level[k + 1]) for k in range(0, len(level), 2)]

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from conformance.launch import conform  # noqa: E402
+from conformance.launch import conform
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conformance.launch import conform, run_script  # noqa: E402
+from conformance.launch import conform, run_script
 
 pytestmark = pytest.mark.timeout(240)
 

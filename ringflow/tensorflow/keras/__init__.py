@@ -40,6 +40,20 @@ from ringflow import (
     remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
+)
+from ringflow.build import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
 )
 from ringflow.errors import RingflowError
 
@@ -66,19 +80,31 @@ __all__ = [
     "broadcast_object",
     "broadcast_variables",
     "callbacks",
+    "ccl_built",
     "cross_rank",
     "cross_size",
+    "cuda_built",
+    "ddl_built",
     "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
     "init",
     "is_initialized",
     "load_model",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "rank",
     "reducescatter",
     "remove_process_set",
+    "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
 ]
 
 

@@ -85,8 +85,8 @@ def suite(ps: rf.ProcessSet, tag: str, big: int) -> dict[str, str]:
             x = closed.block(root, length, dtype, 1).reshape(-1)
             if q != root:
                 x[...] = 0
-            r = rf.broadcast(x, (ps.ranks or range(rf.size()))[root], name=f"{tag}.bc.{dtype}.{length}",
-                             process_set=ps)  # root_rank is global
+            glob = (ps.ranks or range(rf.size()))[root]  # root_rank is a global rank
+            r = rf.broadcast(x, glob, name=f"{tag}.bc.{dtype}.{length}", process_set=ps)
             np.testing.assert_array_equal(r, closed.block(root, length, dtype, 1).reshape(-1))
             got.append(r)
         record(f"broadcast.{dtype}", got)

@@ -144,7 +144,7 @@ def failure(fw: Any, fn: Callable[..., Any], *xs: Any) -> tuple[str, str]:
     """
     try:
         value = fw.call(fn, *xs)
-    except Exception as exc:  # noqa: BLE001 - classified below
+    except Exception as exc:
         if fw.graph:
             text = str(exc)
             name = next((n for n in dir(errors) if f"{n}:" in text), type(exc).__name__)
@@ -229,7 +229,7 @@ def duplicate_names(fw: Any) -> None:
         firsts = {form: start() for form, start in forms.items()}
     got = hvd.synchronize(firsts["allreduce"])
     equal("duplicate: the first allreduce finishes", got.numpy(), np.full((n, 2), float(n)))
-    for form, handle in firsts.items():
+    for handle in firsts.values():
         hvd.synchronize(handle)
     still_works(fw, "duplicate")
 
