@@ -18,6 +18,7 @@ gradients per step) and ``cnn`` (0.4 M parameters).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -100,6 +101,11 @@ def _ddp_worker(rank: int, world: int, store: str, out_dir: str, model_name: str
 
     rates = bench.time_steps(step, batch_size, 3, per_iter, iters)
     Path(out_dir, f"{rank}.json").write_text(json.dumps(float(np.mean(rates))))
+    # DDP holds the process group: drop it so that destroy_process_group really ends gloo's
+    # threads now, not during interpreter finalization (where gloo can abort the process).
+    dist.barrier()
+    del step, model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 
