@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from . import ops as _ops
+from .client import Client, local_client
 from .compression import Compression, Compressor
 from .config import Config
-from .errors import AdasumError, NotInitializedError, RingflowError, TensorError
+from .errors import AdasumError, ConfigError, NotInitializedError, RingflowError, TensorError
 from .handles import Handle
 from .negotiation import Request
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
@@ -30,15 +31,15 @@ from .runner.pyrun import launcher, run
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adasum", "Average", "Compression", "Config", "Handle", "Max", "Min", "ProcessSet",
-    "Product", "ReduceOp", "RingflowError", "Sum", "__version__", "add_process_set",
-    "allgather", "allgather_async", "allreduce", "allreduce_async", "alltoall", "alltoall_async",
-    "barrier", "broadcast", "broadcast_async", "cross_rank", "cross_size", "global_process_set",
+    "Adasum", "Average", "Compression", "Config", "Handle", "Max", "Min", "ProcessSet", "Product",
+    "ReduceOp", "RingflowError", "Sum", "__version__", "add_process_set", "allgather",
+    "allgather_async", "allreduce", "allreduce_async", "alltoall", "alltoall_async", "barrier",
+    "broadcast", "broadcast_async", "cross_rank", "cross_size", "get_client", "global_process_set",
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_initialized", "join",
     "launcher", "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
-    "remove_process_set", "run", "shutdown", "size", "start_timeline", "stats",
-    "stop_timeline", "synchronize",
+    "remove_process_set", "run", "shutdown", "size", "start_timeline", "stats", "stop_timeline",
+    "synchronize",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,17 @@ global_process_set = ProcessSet()
 _state_lock = threading.Lock()
 _engine: Any = None
 _info: Any = None
+_client: Any = None
 _generation = itertools.count()
 _counters: dict[str, itertools.count] = {}
 
 
-def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
-    """Join the job described by the environment (ringflow-run, mpirun, srun, torchrun).
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
+         rank: int | None = None, size: int | None = None, init_method: str | None = None,
+         local_rank: int | None = None, local_size: int | None = None) -> None:
+    """Join the job that started this process: ringflow-run, mpirun, srun, torchrun, torch's
+    env:// contract, a process where torch.distributed is initialised, ... (the detectors and
+    where each finds its peers: ringflow.topology and ringflow.bootstrap).
 
     Calling it again while initialized does nothing. ``process_sets`` are added (collectively)
     right after. ``comm``, an mpi4py intracommunicator, makes the job of just its ranks
@@ -87,11 +93,18 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     ranks, local and cross values come from the communicator, and the transport is ``mpi`` over
     a private duplicate of it unless RINGFLOW_TRANSPORT names another one.
 
+    For processes a script starts itself (torch.distributed's and MegEngine's style): ``rank``
+    and ``size`` (both, or neither) with ``init_method`` ``"env://"`` (MASTER_ADDR and
+    MASTER_PORT; the default), ``"tcp://HOST:PORT"`` (rank 0's host and a free port there) or
+    ``"file:///PATH"`` (a fresh directory every rank sees). ``local_rank``/``local_size``
+    default to what the ranks' host names say.
+
     Raises:
-        ConfigError: a RINGFLOW_* variable or the launcher environment is invalid.
+        ConfigError: a RINGFLOW_* variable, the launcher environment or an argument is invalid,
+            or a variable says the job has several processes and none is joined.
         PeerError / RingflowTimeoutError: the other ranks could not be reached within timeout_s.
     """
-    global _engine, _info
+    global _engine, _info, _client
     from . import topology, transport
     from .engine import Engine
 
@@ -104,28 +117,51 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             from .bootstrap import comm_info
 
             info = comm_info(comm)
+        elif rank is not None or size is not None:
+            info = topology.explicit(rank, size, local_rank, local_size)
+            init_method = init_method or "env://"
         else:
+            if init_method or local_rank is not None or local_size is not None:
+                raise ConfigError("init(init_method=..., local_rank=..., local_size=...) needs "
+                                  "rank= and size= too")
             info = topology.detect()
+        generation = next(_generation)
+        prefix, store = f"init{generation}/", None
+        mpi_comm = comm is not None and config.transport in ("auto", "mpi")
+        if info.size == 1 and not info.placed:
+            info = topology.place(info, [info.hostname])
+        elif info.size > 1:
+            from .bootstrap import connect_store
+
+            store = connect_store(info, config.timeout_s, comm=comm, init_method=init_method)
+            if not info.placed:
+                store.set(f"{prefix}host/{info.rank}", info.hostname.encode())
+                info = topology.place(info, [store.get(f"{prefix}host/{r}").decode()
+                                             for r in range(info.size)])
         if config.bind_to == "core":
             cpus = topology.bind_to_cores(info)
             logging.getLogger("ringflow").info("rank %d bound to CPUs %s", info.rank, cpus)
-        generation = next(_generation)
         if info.size == 1:
             from .transport.tcp import TcpTransport
 
             link: Any = TcpTransport(0, 1, {}, config.timeout_s)
-        elif comm is not None and config.transport in ("auto", "mpi"):
+        elif mpi_comm:
             link = transport.create("mpi", info.rank, info.size, None, config, comm=comm)
         else:
-            from .bootstrap import connect_store
-
-            store = connect_store(info, config.timeout_s, comm=comm)
-            link = transport.connect(info, store, config, prefix=f"init{generation}/")
+            link = transport.connect(info, store, config, prefix=prefix)
         _info = info
+        _client = Client(store) if store is not None else local_client(config.timeout_s)
         _engine = Engine(info.rank, info.size, link, config)
         _counters.clear()
     for ps in process_sets or ():
         add_process_set(ps)
+
+
+def get_client() -> Client:
+    """The job's key-value client (MegEngine's ``dist.get_client()``): ``user_set(key, value)``
+    and ``user_get(key, timeout=None)`` on the store every rank reached at ``init()``."""
+    _need()
+    return _client
 
 
 def shutdown() -> None:

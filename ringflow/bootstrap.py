@@ -1,49 +1,56 @@
 """How a process of a job finds the rendezvous store, whichever launcher started it.
 
-:func:`connect_store` tries, in order:
+:func:`connect_store` picks the first that applies (the detector names come from
+:mod:`ringflow.topology`):
 
-1. **ringflow-run / ringflow.run** (``detector == "ringflow"``): the launcher's store, named by
-   ``RINGFLOW_RENDEZVOUS_ADDR/PORT``, with the job secret on the inherited descriptor
-   ``RINGFLOW_SECRET_FD`` (DESIGN.md section 5).
-2. **An address variable** (any launcher: ``srun``, ``torchrun``, ``mpirun`` without mpi4py, or a
-   script of your own): ``RINGFLOW_RENDEZVOUS_ADDR`` and ``RINGFLOW_RENDEZVOUS_PORT`` name a host
-   and port that *rank 0* listens on (it starts the store there; the others connect to it), and
-   ``RINGFLOW_SECRET_FILE`` names a file holding the job secret as hex text (mode 0600). Under
-   ``torchrun`` the address defaults to ``MASTER_ADDR``; the port does not default to
-   ``MASTER_PORT``, which torchrun's own store already holds. The secret is the one part that
-   needs care: it must reach every rank without entering a command line or a world-readable
-   place, e.g. created in a private directory of a shared filesystem before ``srun``::
+- ``init(comm=...)``, or mpirun with mpi4py (detectors ``openmpi``, ``pmi``): rank 0 starts
+  ringflow's store and broadcasts (address, port, a fresh secret) over the MPI communicator, the
+  launcher's own channel. Closed.
+- ringflow-run, ``ringflow.run``, RayExecutor (``ringflow``): the launcher's store at
+  ``RINGFLOW_RENDEZVOUS_ADDR/PORT``; the secret on an inherited pipe (``RINGFLOW_SECRET_FD``).
+  Closed.
+- ``RINGFLOW_RENDEZVOUS_ADDR``/``_PORT`` set (any launcher): rank 0 serves ringflow's store there;
+  the secret from ``RINGFLOW_SECRET_FILE``. As closed as that file.
+- ``init(init_method="file:///dir")``: ringflow's FileStore in that directory (mode 0700); rank 0
+  writes the data-plane secret into it. As closed as the directory.
+- ``torch`` (torch.distributed already initialised): its default group's store; rank 0
+  publishes a fresh data-plane secret there. Open.
+- ``torchrun``: torchrun's agent store at ``MASTER_ADDR:MASTER_PORT``; rank 0 publishes a fresh
+  secret there. Open.
+- ``env`` (``env://``) and ``init(init_method="tcp://host:port")``: rank 0 serves torch's
+  multi-tenant TCPStore there, bound to that address (a later ``init_process_group`` with the
+  same address shares it); rank 0 publishes a fresh secret. Open. Without torch, or with
+  ``RINGFLOW_SECRET_FILE`` set, ringflow's own store there, keyed by that file (closed) or by
+  the address (open).
+- ``slurm`` (srun): rank 0 serves ringflow's store on the first node of the step
+  (``SLURM_STEP_NODELIST``, expanded by ``scontrol show hostnames`` or python-hostlist; or
+  ``MASTER_ADDR``), port ``MASTER_PORT`` or ``20000 + (31 * SLURM_JOB_ID + SLURM_STEP_ID) mod
+  10000``; keyed by ``RINGFLOW_SECRET_FILE`` (closed) or by the address (open).
 
-       umask 077; openssl rand -hex 32 > ~/.ringflow/job.key
-       RINGFLOW_RENDEZVOUS_ADDR=$(scontrol show hostnames | head -n1) \\
-       RINGFLOW_RENDEZVOUS_PORT=29400 RINGFLOW_SECRET_FILE=~/.ringflow/job.key \\
-       srun -N2 --ntasks-per-node=2 python train.py
+*Open* means: whoever can reach that port can read the keys, join the job, and send the ranks
+control messages they will unpickle, exactly as with torch.distributed's own stores; use it on a
+network you trust, or give every rank a ``RINGFLOW_SECRET_FILE`` (hex text, mode 0600) to close
+it. ringflow never puts a secret on a command line or in a log.
 
-   Anyone who can read that file can join the job, exactly as anyone who knows ringflow-run's
-   secret could; ringflow cannot protect a secret that the filesystem does not.
-3. **MPI** (``detector`` ``openmpi`` or ``pmi``, and mpi4py importable; imported only here):
-   rank 0 of ``MPI.COMM_WORLD`` draws a fresh secret, starts a store -- on 127.0.0.1 when every
-   rank is on its host, else on ``RINGFLOW_BIND_ADDR`` or the address its host name resolves to --
-   and broadcasts (address, port, secret) over MPI, which is the launcher's own channel; an error
-   on rank 0 is broadcast too, so no rank waits. Nothing is written to the environment, so a
-   later ``init()`` (after ``shutdown()``) takes the same path and gets a fresh store and secret.
-
-Otherwise :class:`~ringflow.errors.ConfigError` says which of these to set up. A store started
-here lives until the process exits (a later ``init()`` reuses the one at a fixed port; keys of
-each ``init()`` have their own prefix).
+Otherwise :class:`~ringflow.errors.ConfigError` says what to set up. A store this process serves
+lives until the process exits; a later ``init()`` (after ``shutdown()``) reuses one at a fixed
+port, and the keys of each ``init()`` have their own prefix.
 
 ``ringflow.init(comm=...)`` (an mpi4py communicator) skips the environment: :func:`comm_info`
-derives the RankInfo from the communicator, and ``connect_store(..., comm=comm)`` runs step 3
-over that communicator instead of ``COMM_WORLD`` (needed only when RINGFLOW_TRANSPORT names a
-transport other than ``mpi``, which needs no store).
+derives the RankInfo from the communicator, and ``connect_store(..., comm=comm)`` runs the MPI
+exchange over that communicator instead of ``COMM_WORLD``.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import os
+import shutil
 import socket
+import subprocess
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,11 +102,12 @@ def comm_info(comm: Any) -> RankInfo:
 
 
 def connect_store(info: RankInfo, timeout: float, environ: Mapping[str, str] | None = None,
-                  comm: Any = None) -> Any:
+                  comm: Any = None, init_method: str | None = None) -> Any:
     """The job's rendezvous store for a process of a multi-process job (see the module doc).
 
     With ``comm`` (an mpi4py communicator, from ``init(comm=...)``) rank 0 of ``comm`` starts
-    the store and broadcasts it over ``comm``, whatever the environment says.
+    the store and broadcasts it over ``comm``, whatever the environment says. ``init_method``
+    (``env://``, ``tcp://host:port``, ``file:///path``) names the store explicitly.
 
     Raises:
         ConfigError: the environment names no way to reach the other ranks, or names one that
@@ -113,11 +121,21 @@ def connect_store(info: RankInfo, timeout: float, environ: Mapping[str, str] | N
         return _over_mpi(MPI, info, timeout, comm)
     if info.detector == "ringflow":
         return rendezvous.connect(env, timeout=timeout)
-    addr = env.get("RINGFLOW_RENDEZVOUS_ADDR", "")
-    if not addr and info.detector == "torchrun":
-        addr = env.get("MASTER_ADDR", "")
-    if addr or env.get("RINGFLOW_RENDEZVOUS_PORT"):
-        return _served_by_rank0(info, addr, env, timeout)
+    if init_method:
+        return _from_url(init_method, info, env, timeout)
+    if env.get("RINGFLOW_RENDEZVOUS_ADDR") or env.get("RINGFLOW_RENDEZVOUS_PORT"):
+        port = _port("RINGFLOW_RENDEZVOUS_PORT", env.get("RINGFLOW_RENDEZVOUS_PORT", ""))
+        return _served_by_rank0(info, env.get("RINGFLOW_RENDEZVOUS_ADDR", ""), port, env,
+                                timeout, open_ok=False)
+    if info.detector == "torch":
+        from .rendezvous import torch_store
+
+        return torch_store.default_store(_torch_prefix(env), timeout)
+    if info.detector in ("torchrun", "env"):
+        return _from_url("env://", info, env, timeout)
+    if info.detector == "slurm":
+        host, port = _slurm_address(env)
+        return _served_by_rank0(info, host, port, env, timeout, open_ok=True)
     if info.detector in ("openmpi", "pmi"):
         try:
             from mpi4py import MPI
@@ -128,42 +146,152 @@ def connect_store(info: RankInfo, timeout: float, environ: Mapping[str, str] | N
     raise ConfigError(
         f"this process was started by {info.detector} as rank {info.rank} of {info.size}, but no "
         "ringflow rendezvous is configured; start the job with ringflow-run, install mpi4py "
-        "(under mpirun), or set RINGFLOW_RENDEZVOUS_ADDR, RINGFLOW_RENDEZVOUS_PORT and "
-        "RINGFLOW_SECRET_FILE (see ringflow.bootstrap)"
+        "(under mpirun), or set MASTER_ADDR and MASTER_PORT (torch's env:// contract), or "
+        "RINGFLOW_RENDEZVOUS_ADDR, RINGFLOW_RENDEZVOUS_PORT and RINGFLOW_SECRET_FILE "
+        "(see ringflow.bootstrap)"
     )
 
 
-def _served_by_rank0(info: RankInfo, addr: str, env: Mapping[str, str], timeout: float) -> Any:
-    port_text = env.get("RINGFLOW_RENDEZVOUS_PORT", "")
+def _port(var: str, text: str) -> int:
     try:
-        port = int(port_text)
+        port = int(text)
     except ValueError:
         port = -1
-    if not addr or not 0 < port < 65536:
-        raise ConfigError(
-            f"RINGFLOW_RENDEZVOUS_ADDR={addr!r} / RINGFLOW_RENDEZVOUS_PORT={port_text!r}: "
-            f"a {info.detector} job needs both, a host that rank 0 runs on and a free port "
-            "(1 to 65535) that every rank can reach"
-        )
+    if not 0 < port < 65536:
+        raise ConfigError(f"{var}={text!r} is not a port number (1 to 65535)")
+    return port
+
+
+def _torch_prefix(env: Mapping[str, str]) -> str:
+    """Keys of this job in a torch store that may outlive it (torchrun's agent store keeps its
+    keys across restarts of the workers)."""
+    run = env.get("TORCHELASTIC_RUN_ID", "")
+    return f"ringflow/{run}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/" if run else "ringflow/"
+
+
+def _torch_importable() -> bool:
     try:
-        secret = rendezvous.read_secret(env)
-    except ConfigError as exc:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return bool(dist.is_available())
+
+
+def _from_url(url: str, info: RankInfo, env: Mapping[str, str], timeout: float) -> Any:
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "file":
+        path = urllib.parse.unquote(parsed.path)
+        if not path:
+            raise ConfigError(f"init_method={url!r} names no directory; use file:///shared/path")
+        return rendezvous.FileStore(path, timeout)
+    if parsed.scheme == "env":
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not env.get(v, "").strip()]
+        if missing:
+            raise ConfigError(
+                f"{info.detector} job (rank {info.rank} of {info.size}): {' and '.join(missing)} "
+                "not set; torch's env:// contract needs MASTER_ADDR (the host of rank 0) and "
+                "MASTER_PORT (a free port there) on every process"
+            )
+        host, port = env["MASTER_ADDR"].strip(), _port("MASTER_PORT", env["MASTER_PORT"].strip())
+    elif parsed.scheme == "tcp":
+        try:
+            host, port = parsed.hostname or "", parsed.port or 0
+        except ValueError:
+            host, port = "", 0
+        if not host or not port:
+            raise ConfigError(f"init_method={url!r}: expected tcp://HOST:PORT (rank 0's host)")
+    else:
+        raise ConfigError(f"init_method={url!r}: expected env://, tcp://HOST:PORT or "
+                          "file:///PATH")
+    # torchrun's agent already serves MASTER_PORT: its store is the only one there.
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and parsed.scheme == "env"
+    if agent or (_torch_importable() and not env.get("RINGFLOW_SECRET_FILE")):
+        from .rendezvous import torch_store
+
+        return torch_store.open_url(host, port, info.rank, info.size, agent, _torch_prefix(env),
+                                    timeout)
+    return _served_by_rank0(info, host, port, env, timeout, open_ok=True)
+
+
+def _open_key(host: str, port: int) -> bytes:
+    """The HMAC key of an open rendezvous: anyone who knows the address knows it (see the
+    module doc); it keeps only strangers speaking another protocol out."""
+    return hashlib.sha256(f"ringflow open rendezvous {host}:{port}".encode()).digest()
+
+
+def _served_by_rank0(info: RankInfo, addr: str, port: int, env: Mapping[str, str],
+                     timeout: float, open_ok: bool) -> Any:
+    if not addr:
         raise ConfigError(
-            f"RINGFLOW_RENDEZVOUS_ADDR is set for a {info.detector} job, but the job secret is "
-            f"missing ({exc}); write a secret (hex) to a file readable only by you and set "
-            "RINGFLOW_SECRET_FILE to it on every rank"
-        ) from exc
+            f"RINGFLOW_RENDEZVOUS_PORT is set for a {info.detector} job but "
+            "RINGFLOW_RENDEZVOUS_ADDR is not; set it to the host rank 0 runs on"
+        )
+    if env.get("RINGFLOW_SECRET_FILE") or env.get("RINGFLOW_SECRET_FD") or not open_ok:
+        try:
+            secret = rendezvous.read_secret(env)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"the rendezvous at {addr}:{port} of this {info.detector} job needs the job "
+                f"secret ({exc}); write a secret (hex) to a file readable only by you and set "
+                "RINGFLOW_SECRET_FILE to it on every rank"
+            ) from exc
+    else:
+        secret = _open_key(addr, port)
     if info.rank == 0 and (addr, port) not in _servers:
         try:
             _servers[addr, port] = rendezvous.StoreServer(secret, host=addr, port=port,
                                                          timeout=timeout)
         except ConfigError as exc:
             raise ConfigError(
-                f"rank 0 cannot start the rendezvous store at RINGFLOW_RENDEZVOUS_ADDR={addr!r} "
-                f"RINGFLOW_RENDEZVOUS_PORT={port}: {exc}; rank 0 must run on that host and the "
-                "port must be free"
+                f"rank 0 cannot start the rendezvous store at {addr}:{port}: {exc}; rank 0 must "
+                "run on that host and the port must be free"
             ) from exc
     return rendezvous.TCPStore(addr, port, secret, timeout)
+
+
+def _slurm_address(env: Mapping[str, str]) -> tuple[str, int]:
+    """Where task 0 of this srun step serves the store: every task derives the same."""
+    host = env.get("MASTER_ADDR", "").strip()
+    if not host:
+        var = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+        nodelist = env.get(var, "").strip()
+        if not nodelist:
+            raise ConfigError("srun step without SLURM_STEP_NODELIST or SLURM_JOB_NODELIST: set "
+                              "MASTER_ADDR to the host of task 0")
+        host = _expand_hostlist(var, nodelist)[0]
+    if env.get("MASTER_PORT", "").strip():
+        return host, _port("MASTER_PORT", env["MASTER_PORT"].strip())
+    try:
+        job, step = int(env.get("SLURM_JOB_ID", "0")), int(env.get("SLURM_STEP_ID", "0"))
+    except ValueError as exc:
+        raise ConfigError(f"SLURM_JOB_ID / SLURM_STEP_ID are not integers ({exc}); set "
+                          "MASTER_PORT to a free port on the host of task 0") from exc
+    return host, 20000 + (31 * job + step) % 10000
+
+
+def _expand_hostlist(var: str, nodelist: str) -> list[str]:
+    """Slurm's compressed host list (``node[01-03,7],gpu1``) expanded by ``scontrol`` where it
+    is installed, else by python-hostlist."""
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=30, check=False)
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()
+    try:
+        import hostlist
+    except ImportError as exc:
+        raise ConfigError(
+            f"{var}={nodelist!r}: expanding a Slurm host list needs scontrol or python-hostlist "
+            "(pip install 'ringflow[slurm]'), or set MASTER_ADDR to the host of task 0"
+        ) from exc
+    try:
+        hosts = list(hostlist.expand_hostlist(nodelist))
+    except hostlist.BadHostlist as exc:
+        raise ConfigError(f"{var}={nodelist!r} is not a Slurm host list: {exc}") from exc
+    if not hosts:
+        raise ConfigError(f"{var}={nodelist!r} names no host")
+    return hosts
 
 
 def _mpi_store_host(info: RankInfo) -> str:

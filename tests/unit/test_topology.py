@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from ringflow.errors import ConfigError
-from ringflow.topology import RankInfo, detect
+from ringflow.topology import RankInfo, detect, place
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,7 +71,8 @@ def test_mpich_pmi_without_local_ids_assumes_one_rank_per_host():
 def test_slurm_heterogeneous_tasks_per_node():
     # 3 nodes with 2, 2, 1 tasks: rank 4 is the only task of node 2.
     env = {
-        "SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+        "SLURM_PROCID": "4", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "2",
         "SLURM_NNODES": "3", "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURMD_NODENAME": "cn07",
     }
     assert detect(env) == RankInfo(4, 5, 0, 1, 2, 3, "cn07", "slurm")
@@ -79,7 +80,8 @@ def test_slurm_heterogeneous_tasks_per_node():
 
 def test_slurm_step_variables_win():
     env = {
-        "SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_PROCID": "1", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "8",
+        "SLURM_STEP_NUM_TASKS": "2",
         "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NNODES": "4",
         "SLURM_STEP_NUM_NODES": "1", "SLURM_TASKS_PER_NODE": "2(x4)",
         "SLURM_STEP_TASKS_PER_NODE": "2",
@@ -90,8 +92,8 @@ def test_slurm_step_variables_win():
 
 def test_slurm_bad_task_list_names_the_variable():
     env = {
-        "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-        "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": "two",
+        "SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": "two",
     }
     with pytest.raises(ConfigError, match="SLURM_TASKS_PER_NODE='two'"):
         detect(env)
@@ -99,7 +101,8 @@ def test_slurm_bad_task_list_names_the_variable():
 
 def test_torchrun_with_group_variables():
     env = {
-        "RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3",
+        "TORCHELASTIC_RUN_ID": "none", "RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "2",
+        "LOCAL_WORLD_SIZE": "3",
         "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
     }
     info = detect(env)
@@ -115,6 +118,69 @@ def test_torchrun_without_group_variables_derives_hosts():
 
 def test_a_lone_rank_variable_is_not_torchrun():
     assert detect({"RANK": "3"}).detector == "single"
+
+
+def test_env_contract_without_local_rank_is_placed_later_from_hostnames():
+    # Kubeflow PyTorchJob / SageMaker style: RANK, WORLD_SIZE, MASTER_* only.
+    info = detect({"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
+    assert (info.rank, info.size, info.detector, info.placed) == (2, 4, "env", False)
+    placed = place(info, ["n1", "n1", "n2", "n2"])
+    assert placed == RankInfo(2, 4, 0, 2, 1, 2, "n2", "env")
+
+
+def test_env_contract_with_only_local_rank_is_placed_from_hostnames_too():
+    # Without LOCAL_WORLD_SIZE nothing says how many ranks share the host.
+    info = detect({"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1"})
+    assert not info.placed
+
+
+@pytest.mark.parametrize(("hosts", "expected"), [
+    (["a"], [(0, 1, 0, 1)]),
+    (["a", "b", "a", "b"], [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)]),
+    (["b", "a", "a"], [(0, 1, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]),
+])
+def test_place_numbers_hosts_by_their_lowest_rank(hosts, expected):
+    got = [place(RankInfo(r, len(hosts), 0, 0, 0, 0, "x", "env"), hosts) for r in range(len(hosts))]
+    assert [(i.local_rank, i.local_size, i.cross_rank, i.cross_size) for i in got] == expected
+
+
+def test_innermost_launcher_wins():
+    slurm = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+             "SLURM_TASKS_PER_NODE": "2"}
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "job"}
+    # torchrun inside an sbatch step: torchrun's variables, not the step's.
+    assert detect({**slurm, **torchrun}) == RankInfo(3, 4, 1, 2, 1, 2, socket.gethostname(),
+                                                      "torchrun")
+    # mp.spawn workers that set RANK/WORLD_SIZE themselves inside srun.
+    spawned = detect({**slurm, "RANK": "1", "WORLD_SIZE": "4"})
+    assert (spawned.rank, spawned.size, spawned.detector) == (1, 4, "env")
+    ompi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert detect({**slurm, **ompi}).detector == "openmpi"
+
+
+@pytest.mark.parametrize(("env", "fragments"), [
+    # python train.py in an sbatch script with --ntasks=4 and no srun
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"},
+     ["SLURM_NTASKS=4 says this job has 4 processes", "srun python", "RANK=0 WORLD_SIZE=1"]),
+    ({"WORLD_SIZE": "2"}, ["WORLD_SIZE=2 says this job has 2 processes", "RANK is not set"]),
+    ({"RINGFLOW_SIZE": "3"}, ["RINGFLOW_SIZE=3", "RINGFLOW_RANK is not set"]),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, ["OMPI_COMM_WORLD_SIZE=2", "through the launcher"]),
+    ({"PMI_SIZE": "8"}, ["PMI_SIZE=8"]),
+])
+def test_a_visible_world_larger_than_one_is_never_run_alone(env, fragments):
+    with pytest.raises(ConfigError) as err:
+        detect(env)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_a_world_of_one_may_be_asked_for_explicitly_inside_an_allocation():
+    info = detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "RANK": "0", "WORLD_SIZE": "1"})
+    assert (info.rank, info.size) == (0, 1)
+    assert detect({"SLURM_NTASKS": "1", "WORLD_SIZE": "1"}).size == 1
 
 
 @pytest.mark.parametrize(
@@ -154,10 +220,14 @@ def test_missing_sibling_variable_is_named():
         ({"PMI_RANK": "1.5", "PMI_SIZE": "2"}, "PMI_RANK='1.5' is not an integer"),
         ({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "2"},
          "MPI_LOCALRANKID=3"),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "3",
-          "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "1(x2)"}, "SLURM_NODEID=3"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+          "SLURM_NODEID": "3", "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "1(x2)"},
+         "SLURM_NODEID=3"),
         ({"RANK": "7", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}, "RANK=7"),
-        ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "x"}, "LOCAL_RANK='x'"),
+        ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "x", "LOCAL_WORLD_SIZE": "2"},
+         "LOCAL_RANK='x'"),
+        ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "0"},
+         "LOCAL_WORLD_SIZE=0"),
     ],
 )
 def test_inconsistent_foreign_values_name_the_variable(env, fragment):
