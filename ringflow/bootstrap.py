@@ -9,8 +9,9 @@
 - ringflow-run, ``ringflow.run``, RayExecutor (``ringflow``): the launcher's store at
   ``RINGFLOW_RENDEZVOUS_ADDR/PORT``; the secret on an inherited pipe (``RINGFLOW_SECRET_FD``).
   Closed.
-- ``RINGFLOW_RENDEZVOUS_ADDR``/``_PORT`` set (any launcher): rank 0 serves ringflow's store there;
-  the secret from ``RINGFLOW_SECRET_FILE``. As closed as that file.
+- ``RINGFLOW_RENDEZVOUS_PORT`` set (any launcher): rank 0 serves ringflow's store there, on
+  ``RINGFLOW_RENDEZVOUS_ADDR`` (else ``MASTER_ADDR``); the secret from ``RINGFLOW_SECRET_FILE``.
+  As closed as that file.
 - ``init(init_method="file:///dir")``: ringflow's FileStore in that directory (mode 0700); rank 0
   writes the data-plane secret into it. As closed as the directory.
 - ``torch`` (torch.distributed already initialised): its default group's store; rank 0
@@ -125,8 +126,8 @@ def connect_store(info: RankInfo, timeout: float, environ: Mapping[str, str] | N
         return _from_url(init_method, info, env, timeout)
     if env.get("RINGFLOW_RENDEZVOUS_ADDR") or env.get("RINGFLOW_RENDEZVOUS_PORT"):
         port = _port("RINGFLOW_RENDEZVOUS_PORT", env.get("RINGFLOW_RENDEZVOUS_PORT", ""))
-        return _served_by_rank0(info, env.get("RINGFLOW_RENDEZVOUS_ADDR", ""), port, env,
-                                timeout, open_ok=False)
+        addr = env.get("RINGFLOW_RENDEZVOUS_ADDR") or env.get("MASTER_ADDR", "")
+        return _served_by_rank0(info, addr, port, env, timeout, open_ok=False)
     if info.detector == "torch":
         from .rendezvous import torch_store
 
@@ -224,7 +225,7 @@ def _served_by_rank0(info: RankInfo, addr: str, port: int, env: Mapping[str, str
     if not addr:
         raise ConfigError(
             f"RINGFLOW_RENDEZVOUS_PORT is set for a {info.detector} job but "
-            "RINGFLOW_RENDEZVOUS_ADDR is not; set it to the host rank 0 runs on"
+            "RINGFLOW_RENDEZVOUS_ADDR (or MASTER_ADDR) is not; set it to the host rank 0 runs on"
         )
     if env.get("RINGFLOW_SECRET_FILE") or env.get("RINGFLOW_SECRET_FD") or not open_ok:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,3 +71,29 @@ def test_stall_shutdown_then_shutdown_and_init_under_mpirun(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert out.count("PASS rank") == 2, out[-4000:]
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_everything_under_mpirun_including_the_key_value_client(tmp_path, np_):
+    """The engine tests' worker (collectives, get_client(), training equal to one process on
+    the global batch) under mpirun with no RINGFLOW_* variable: the client used to fail with
+    "no job secret"."""
+    pytest.importorskip("torch")
+    job = Path(ROOT) / "tests" / "engines" / "workers" / "job.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGFLOW_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [MPIRUN, *mpirun_flags(), "-np", str(np_), sys.executable, str(job), "--size",
+         str(np_), "--train"],
+        env=env, capture_output=True, text=True, timeout=100, cwd=str(tmp_path),
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    passes = re.findall(r"PASS rank [^\n]*?(?=PASS rank|\n|$)", proc.stdout)  # lines may join
+    # Open MPI numbers local ranks in its own order (3 ranks on 2 cores: 0, 2, 1).
+    got = sorted(re.sub(r"local \d+/", "local ?/", p.strip()) for p in passes)
+    assert got == [f"PASS rank {r}/{np_} local ?/{np_} cross 0/1 via openmpi"
+                   for r in range(np_)], out
+    assert sorted(int(re.search(r"local (\d+)/", p).group(1)) for p in passes) == list(
+        range(np_)), out

@@ -12,12 +12,14 @@
   passwords, no PAM), a ``known_hosts`` holding the host key under every host's name and address,
   and an ssh client config mapping ``h<i>`` to its address with ``StrictHostKeyChecking yes``
   -- host-key checking stays on;
-* ``sshd -D`` in each namespace.
+* ``sshd -D`` in each namespace, and ``/etc/netns/<ns>/hosts`` naming every host (``ip netns
+  exec`` shows it as the namespace's /etc/hosts).
 
 Traffic only ever goes to those namespace addresses or loopback. Everything is removed on exit,
 failure included: processes in the namespaces, the namespaces, the bridge, the directory.
 :func:`unavailable` says why namespaces cannot be made here (then the tests skip).
-:func:`ringflow_run` builds the launcher's command line for a cluster, :func:`shaped` limits every
+:func:`on_host` runs a command as one of the hosts, :func:`ringflow_run` builds the launcher's
+command line for a cluster, :func:`shaped` limits every
 host's link with ``tc``, and :func:`link_bytes` reads a host's link counters from outside.
 """
 
@@ -122,6 +124,15 @@ def cluster(n: int = 2) -> Iterator[Cluster]:
             _ip("link", "set", outer, "master", tag)
             _ip("link", "set", outer, "up")
 
+        # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts: host names resolve
+        # inside the namespaces (as a cluster's DNS would; Slurm's node lists name hosts).
+        for ns in namespaces:
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            undo.append(("rmtree", f"/etc/netns/{ns}"))
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write("127.0.0.1 localhost\n")
+                for name, addr in zip(names, addresses, strict=True):
+                    f.write(f"{addr} {name}\n")
         host_pub = _keygen(os.path.join(tmp, "host_key"))
         user_pub = _keygen(os.path.join(tmp, "id"))
         with open(os.path.join(tmp, "authorized_keys"), "w") as f:
@@ -152,7 +163,7 @@ def cluster(n: int = 2) -> Iterator[Cluster]:
                     "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
                     "UsePAM no\nStrictModes no\nPrintMotd no\nSubsystem sftp internal-sftp\n"
                 )
-            log = open(os.path.join(tmp, f"sshd.{ns}.log"), "wb")  # noqa: SIM115
+            log = open(os.path.join(tmp, f"sshd.{ns}.log"), "wb")
             sshds.append(subprocess.Popen(
                 ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", cfg],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -176,8 +187,18 @@ def cluster(n: int = 2) -> Iterator[Cluster]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         for args in reversed(undo):
-            _ip(*args, check=False)
+            if args[0] == "rmtree":
+                shutil.rmtree(args[1], ignore_errors=True)
+            else:
+                _ip(*args, check=False)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def on_host(namespace: str, name: str) -> list[str]:
+    """A command prefix that runs a command on a namespace host as that host: in its network
+    namespace, with its own host name (a UTS namespace), as a program on a real host would."""
+    return ["ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c",
+            'hostname "$0" && exec "$@"', name]
 
 
 def ringflow_run(c: Cluster, slots: dict[int, int], *command: str) -> list[str]:

@@ -17,7 +17,7 @@ import ringflow
 pytestmark = pytest.mark.timeout(90)
 
 sys.path.insert(0, os.path.dirname(__file__))
-import netns_cluster  # noqa: E402
+import netns_cluster
 
 REASON = netns_cluster.unavailable()
 if REASON is not None:

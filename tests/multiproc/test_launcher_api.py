@@ -126,8 +126,8 @@ def start_two(tmp_path, env_of) -> list[str]:
 def test_simulated_slurm_job_with_the_documented_variables(tmp_path):
     def env_of(rank):
         return {
-            "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-            "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": "2",
+            "SLURM_PROCID": str(rank), "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": "2",
             "SLURM_JOB_ID": "42", "RINGFLOW_RENDEZVOUS_ADDR": "127.0.0.1",
         }
 
@@ -147,10 +147,12 @@ def test_foreign_launcher_without_rendezvous_says_what_to_set():
     from ringflow.topology import RankInfo
 
     info = RankInfo(1, 2, 1, 2, 0, 1, "h", "slurm")
-    with pytest.raises(ConfigError, match="set RINGFLOW_RENDEZVOUS_ADDR, RINGFLOW_RENDEZVOUS_PORT"):
+    with pytest.raises(ConfigError, match="set MASTER_ADDR to the host of task 0"):
         connect_store(info, 1.0, environ={})
     with pytest.raises(ConfigError, match="RINGFLOW_SECRET_FILE to it on every rank"):
         connect_store(info, 1.0, environ={"RINGFLOW_RENDEZVOUS_ADDR": "127.0.0.1",
                                           "RINGFLOW_RENDEZVOUS_PORT": "5"})
-    with pytest.raises(ConfigError, match="needs both"):
+    with pytest.raises(ConfigError, match="RINGFLOW_RENDEZVOUS_PORT='' is not a port number"):
         connect_store(info, 1.0, environ={"RINGFLOW_RENDEZVOUS_ADDR": "127.0.0.1"})
+    with pytest.raises(ConfigError, match="no ringflow rendezvous is configured"):
+        connect_store(RankInfo(1, 2, 1, 2, 0, 1, "h", "single"), 1.0, environ={})
