@@ -13,10 +13,11 @@ setup(
         "torch": ["torch"],
         "tensorflow": ["tensorflow-cpu"],
         "mpi": ["mpi4py", "openmpi"],
+        "slurm": ["python-hostlist"],
         "gpu": ["cupy-cuda12x"],
         # Everything the whole test suite exercises; torch stays pinned by constraints.txt.
         "test": ["pytest", "pytest-timeout", "scikit-learn", "pyyaml", "mpi4py", "openmpi",
-                 "torch", "tensorflow-cpu", "cloudpickle"],
+                 "torch", "tensorflow-cpu", "cloudpickle", "python-hostlist"],
         "examples": ["scikit-learn"],
         "bench": ["matplotlib"],
     },

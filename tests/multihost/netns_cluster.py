@@ -163,7 +163,7 @@ def cluster(n: int = 2) -> Iterator[Cluster]:
                     "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
                     "UsePAM no\nStrictModes no\nPrintMotd no\nSubsystem sftp internal-sftp\n"
                 )
-            log = open(os.path.join(tmp, f"sshd.{ns}.log"), "wb")
+            log = open(os.path.join(tmp, f"sshd.{ns}.log"), "wb")  # noqa: SIM115
             sshds.append(subprocess.Popen(
                 ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", cfg],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,

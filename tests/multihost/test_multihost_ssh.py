@@ -17,7 +17,7 @@ import ringflow
 pytestmark = pytest.mark.timeout(90)
 
 sys.path.insert(0, os.path.dirname(__file__))
-import netns_cluster
+import netns_cluster  # noqa: E402
 
 REASON = netns_cluster.unavailable()
 if REASON is not None:

@@ -127,7 +127,8 @@ def test_simulated_slurm_job_with_the_documented_variables(tmp_path):
     def env_of(rank):
         return {
             "SLURM_PROCID": str(rank), "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
-            "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": "2",
+            "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+            "SLURM_TASKS_PER_NODE": "2",
             "SLURM_JOB_ID": "42", "RINGFLOW_RENDEZVOUS_ADDR": "127.0.0.1",
         }
 

@@ -8,11 +8,11 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-import ringflow.tensorflow as hvd
-import ringflow.tensorflow.keras as hvd_keras
-from ringflow.errors import ConfigError, RingflowError, TensorError
-from ringflow.tensorflow import gradient_tape, mpi_ops
-from ringflow.tensorflow.keras import optimizer as keras_optimizer
+import ringflow.tensorflow as hvd  # noqa: E402
+import ringflow.tensorflow.keras as hvd_keras  # noqa: E402
+from ringflow.errors import ConfigError, RingflowError, TensorError  # noqa: E402
+from ringflow.tensorflow import gradient_tape, mpi_ops  # noqa: E402
+from ringflow.tensorflow.keras import optimizer as keras_optimizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
