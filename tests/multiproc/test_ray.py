@@ -370,5 +370,5 @@ def test_every_listener_of_the_job_is_on_loopback(executor_of) -> None:
     assert job.server.host == "127.0.0.1"
     outside = {name: [a for a in addrs if not _is_loopback(a)] for name, addrs in mine.items()}
     assert {k: v for k, v in outside.items() if v} == {}, mine
-    ss = subprocess.run(["ss", "-ltnup"], capture_output=True, text=True, check=False).stdout
-    print("\n" + ss)
+    with contextlib.suppress(OSError):  # what `pytest -s` shows; ss may be missing
+        print("\n" + subprocess.run(["ss", "-ltnup"], capture_output=True, text=True).stdout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -63,7 +64,7 @@ def test_without_ray_the_executor_names_the_install_command() -> None:
     ({"num_workers": 2, "cpus_per_worker": 0}, "must reserve some CPU or GPU"),
 ])
 def test_bad_arguments_are_refused_before_ray_is_needed(kwargs: dict, fragment: str) -> None:
-    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
         RayExecutor(RayExecutor.create_settings(), **kwargs)
 
 
@@ -73,7 +74,7 @@ def test_settings() -> None:
     assert settings == RaySettings(7.0, 9.0, ("eth1",))
     with pytest.raises(ConfigError, match="timeout_s=0"):
         RayExecutor.create_settings(timeout_s=0)
-    with pytest.raises(ConfigError, match="RayExecutor.create_settings"):
+    with pytest.raises(ConfigError, match=r"RayExecutor\.create_settings"):
         RayExecutor(object(), num_workers=1)  # type: ignore[arg-type]
 
 
