@@ -8,6 +8,7 @@ the job's ``runtime_env`` (PYTHONPATH), as a user's cluster would through an ins
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -108,6 +109,17 @@ def allreduce_again() -> float:
     return float(ringflow.allreduce(np.ones(3), name="again", op=ringflow.Sum)[0])
 
 
+def ringflow_rank() -> int:
+    return int(os.environ["RINGFLOW_RANK"])
+
+
+def fresh_job_each_call() -> float:
+    # shutdown() + init() in every actor forms a fresh job over the same store.
+    ringflow.shutdown()
+    ringflow.init()
+    return float(ringflow.allreduce(np.ones(2), name="fresh", op=ringflow.Sum)[0])
+
+
 def raise_on_rank_one() -> str:
     ringflow.init()
     if ringflow.rank() == 1:
@@ -183,6 +195,8 @@ def test_run_allreduces_on_every_rank_in_rank_order(executor_of, n: int) -> None
     assert executor.run(allreduce_again) == [float(n)] * n
     assert executor.run(lambda k: ringflow.rank() * k, kwargs={"k": 10}) == [
         10 * r for r in range(n)]
+    for _ in range(2):
+        assert executor.run(fresh_job_each_call) == [float(n)] * n
 
 
 def test_execute_and_execute_single_use_the_executable(executor_of) -> None:
@@ -191,6 +205,18 @@ def test_execute_and_execute_single_use_the_executable(executor_of) -> None:
     assert executor.execute(lambda counter: counter.bump()) == [7, 7]
     assert executor.execute_single(lambda counter: counter.bump()) == 9
     assert executor.execute(lambda counter: counter.value) == [9, 7]
+    with pytest.raises(LaunchError, match="running already"):
+        executor.start()
+
+
+def test_a_deadline_stops_the_job_and_names_the_first_unfinished_rank(executor_of) -> None:
+    executor = executor_of(2)
+    pids = executor.run(os.getpid)
+    with pytest.raises(RankFailure, match=r"did not finish within the deadline of 1\.0 s") as info:
+        executor.run(lambda: time.sleep(0.0 if ringflow_rank() == 0 else 60), timeout=1.0)
+    assert info.value.rank == 1
+    assert "ranks [1] were still running" in str(info.value)
+    assert _running(pids) == []
 
 
 def test_torch_distributed_optimizer_matches_one_process_on_the_global_batch(executor_of) -> None:
@@ -293,6 +319,18 @@ def test_shutdown_leaves_no_actor_store_or_placement_group(executor_of) -> None:
     executor.shutdown()  # twice is fine
     with pytest.raises(LaunchError, match="before start"):
         executor.run(os.getpid)
+
+
+def test_an_executor_dropped_without_shutdown_leaves_nothing(cluster: None) -> None:
+    executor = RayExecutor(num_workers=2)
+    executor.start()
+    pids = executor.run(os.getpid)
+    store = (executor._job.server.host, executor._job.server.port)
+    del executor
+    gc.collect()
+    assert _running(pids) == []
+    with pytest.raises(OSError), socket.create_connection(store, timeout=2):
+        pass
 
 
 def test_secret_stays_out_of_environments_command_lines_and_logs(executor_of) -> None:
