@@ -41,10 +41,8 @@ processes on this node are gone, removes the placement group it created and clos
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import pickle
 import secrets
 import time
@@ -55,6 +53,7 @@ from typing import Any
 from ..errors import ConfigError, LaunchError, RankFailure, RingflowTimeoutError
 from ..runner.hosts import Host, WorkerSpec, assign_ranks
 from ..runner.launch import worker_environ
+from ._job import Job
 
 __all__ = ["FAILURE_GRACE_S", "RayExecutor", "RaySettings", "rank_by_node"]
 
@@ -67,11 +66,6 @@ _INSTALL = "pip install 'ringflow[ray]'"
 #: to the driver 3-12 ms after SIGKILL or ray.kill (measured here, Ray 2.60, one node); 2 s
 #: leaves room for a loaded machine and a remote node.
 FAILURE_GRACE_S = 2.0
-#: How long shutdown() lets the actors shut ringflow down (goodbyes, the timeline) before it
-#: kills them; ringflow's own goodbye linger is 2 s.
-_STOP_GRACE_S = 5.0
-#: How long shutdown() waits for the killed actor processes of this node to exit.
-_EXIT_WAIT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,77 +107,6 @@ class _Failure:
     cause: BaseException | None
     #: A PeerError or ShutdownError: caused by another rank's failure.
     consequence: bool
-
-
-class _Job:
-    """The actors, placement group and store of one started job; :meth:`close` frees them all.
-
-    Holds no reference to the executor, so that a ``weakref.finalize`` of the executor can call
-    :meth:`close`.
-    """
-
-    def __init__(self, ray: Any) -> None:
-        self.ray = ray
-        self.actors: list[Any] = []  # rank order once ranked
-        self.infos: list[dict[str, Any]] = []
-        self.placement_group: Any = None
-        self.owns_placement_group = False
-        self.server: Any = None
-        self.local_node = ""
-        self.stopped: str | None = None  # why the job is over, once it is
-        self.closed = False
-
-    def close(self, graceful: bool = True) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.stopped = self.stopped or "shutdown() was called"
-        ray = self.ray
-        with contextlib.suppress(Exception):  # Ray may be shut down already (at exit)
-            if graceful and self.actors:
-                refs = [actor.stop_ringflow.remote() for actor in self.actors]
-                ray.wait(refs, num_returns=len(refs), timeout=_STOP_GRACE_S)
-        for actor in self.actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-        self._wait_for_exit()
-        if self.placement_group is not None and self.owns_placement_group:
-            with contextlib.suppress(Exception):
-                ray.util.remove_placement_group(self.placement_group)
-        if self.server is not None:
-            with contextlib.suppress(Exception):
-                self.server.close()
-        self.actors = []
-
-    def _wait_for_exit(self) -> None:
-        """Wait until the actor processes of this node have exited (Ray kills asynchronously)."""
-        pids = [i["pid"] for i in self.infos if i.get("node_id") == self.local_node]
-        end = time.monotonic() + _EXIT_WAIT_S
-        while pids and time.monotonic() < end:
-            pids = [p for p in pids if _alive(p)]
-            if pids:
-                time.sleep(0.02)
-        if pids:
-            log.warning("actor processes %s were still running %.0f s after ray.kill", pids,
-                        _EXIT_WAIT_S)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state != b"Z"  # a zombie has exited; the raylet, its parent, reaps it
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        pass  # no /proc: ask the kernel
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RayExecutor:
@@ -265,7 +188,7 @@ class RayExecutor:
         self.use_gpu = use_gpu
         self.gpus_per_worker = gpus
         self.use_current_placement_group = use_current_placement_group
-        self._job: _Job | None = None
+        self._job: Job | None = None
         self._finalizer: weakref.finalize | None = None
 
     # -- life cycle ------------------------------------------------------------------------
@@ -301,7 +224,7 @@ class RayExecutor:
                 "the driver process, which the actors must reach; run the driver on a node of the "
                 "cluster (e.g. as a Ray job)"
             )
-        job = _Job(ray)
+        job = Job(ray)
         self._job = job
         self._finalizer = weakref.finalize(self, job.close, False)
         try:
@@ -312,7 +235,7 @@ class RayExecutor:
             job.close(graceful=False)
             raise
 
-    def _start(self, job: _Job, cls: type | None, cls_args: Sequence[Any] | None,
+    def _start(self, job: Job, cls: type | None, cls_args: Sequence[Any] | None,
                cls_kwargs: Mapping[str, Any] | None, extra_env: dict[str, str]) -> None:
         from .. import wire
         from ..rendezvous import StoreServer
@@ -354,7 +277,7 @@ class RayExecutor:
         self._wait(job, [a.start_executable.remote(cls, cls_args, cls_kwargs)
                          for a in job.actors], f"create {getattr(cls, '__name__', cls)}")
 
-    def _placement(self, job: _Job) -> list[Any]:
+    def _placement(self, job: Job) -> list[Any]:
         """A scheduling strategy per actor; creates the placement group when needed."""
         ray = self._ray
         from ray.util.placement_group import get_current_placement_group
@@ -395,7 +318,7 @@ class RayExecutor:
             )
         return [strategy(b) for b in bundle_of]
 
-    def _wait(self, job: _Job, refs: list[Any], what: str) -> list[Any]:
+    def _wait(self, job: Job, refs: list[Any], what: str) -> list[Any]:
         ray = self._ray
         try:
             return list(ray.get(refs, timeout=self.settings.timeout_s))
@@ -411,7 +334,7 @@ class RayExecutor:
                 "runtime_env to ray.init)"
             ) from exc
 
-    def _store_host(self, job: _Job, nodes: list[str]) -> str:
+    def _store_host(self, job: Job, nodes: list[str]) -> str:
         if all(n == job.local_node for n in nodes):
             return "127.0.0.1"  # a single-node job never listens beyond loopback
         if self.settings.nics:
@@ -420,7 +343,7 @@ class RayExecutor:
             return interface_ipv4(self.settings.nics[0])
         return str(self._ray.util.get_node_ip_address())
 
-    def _environ(self, spec: WorkerSpec, job: _Job, job_id: str) -> dict[str, str]:
+    def _environ(self, spec: WorkerSpec, job: Job, job_id: str) -> dict[str, str]:
         env = worker_environ(spec, rendezvous_addr=job.server.host,
                              rendezvous_port=job.server.port, job_id=job_id, base_env={})
         # The driver's pid means nothing on another node; GLIBC_TUNABLES is read by glibc at
@@ -491,10 +414,10 @@ class RayExecutor:
         shuts ringflow down first, so the others' collectives fail instead of waiting), and the
         job goes on until :meth:`shutdown`."""
         job = self._job_for("run_remote")
-        payload = self._ray.put((fn, tuple(args or ()), dict(kwargs or {})))
+        payload = self._put((fn, tuple(args or ()), dict(kwargs or {})))
         return [actor.call.remote(payload) for actor in job.actors]
 
-    def _job_for(self, method: str) -> _Job:
+    def _job_for(self, method: str) -> Job:
         job = self._job
         if job is None:
             raise LaunchError(f"RayExecutor.{method}() before start(); call start() first")
@@ -503,34 +426,18 @@ class RayExecutor:
                               "start() for a new one")
         return job
 
-    def _supervise(self, job: _Job, payload: tuple[Any, ...], with_executable: bool,
+    def _supervise(self, job: Job, payload: tuple[Any, ...], with_executable: bool,
                    count: int | None, timeout: float | None) -> list[Any]:
-        ray = self._ray
-        data = ray.put(payload)
-        actors = job.actors[:count]
-        refs = [actor.invoke.remote(data, with_executable) for actor in actors]
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        values: list[Any] = [None] * len(refs)
-        failures: list[_Failure] = []
-        deadline = None if timeout is None else time.monotonic() + timeout
-        grace_end: float | None = None
-        pending = list(refs)
-        while pending and not any(not f.consequence for f in failures):
-            ends = [t for t in (deadline, grace_end) if t is not None]
-            wait_s = None if not ends else max(0.0, min(ends) - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
-            if not ready:
-                break
-            for ref in ready:
-                rank = rank_of[ref]
-                failure = self._outcome(job, rank, ref, values)
-                if failure is not None:
-                    failures.append(failure)
-                    if grace_end is None:
-                        grace_end = time.monotonic() + FAILURE_GRACE_S
-        if not failures and not pending:
+        data = self._put(payload)
+        refs = [actor.invoke.remote(data, with_executable) for actor in job.actors[:count]]
+        try:
+            values, failures, unfinished = self._gather(job, refs, timeout)
+        except BaseException:  # KeyboardInterrupt included: nothing keeps running unwatched
+            job.stopped = "a call was interrupted"
+            job.close(graceful=False)
+            raise
+        if not failures and not unfinished:
             return values
-        unfinished = sorted(rank_of[ref] for ref in pending)
         if failures:
             first = next((f for f in failures if not f.consequence), failures[0])
         else:
@@ -540,7 +447,41 @@ class RayExecutor:
         job.close(graceful=False)
         raise RankFailure(first.rank, _report(first, failures, unfinished)) from first.cause
 
-    def _outcome(self, job: _Job, rank: int, ref: Any, values: list[Any]) -> _Failure | None:
+    def _put(self, payload: tuple[Any, ...]) -> Any:
+        try:
+            return self._ray.put(payload)
+        except Exception as exc:  # pickling raises anything a __reduce__ raises
+            raise ConfigError(
+                f"RayExecutor could not serialize {payload[0]!r} and its arguments ({exc}); pass "
+                "a picklable function and arguments"
+            ) from exc
+
+    def _gather(self, job: Job, refs: list[Any], timeout: float | None
+                ) -> tuple[list[Any], list[_Failure], list[int]]:
+        """Wait for every ref until the first failure that is not a consequence, the grace after
+        a consequence, or the deadline: (values, failures in arrival order, unfinished ranks)."""
+        ray = self._ray
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        values: list[Any] = [None] * len(refs)
+        failures: list[_Failure] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        grace_end: float | None = None
+        pending = list(refs)
+        while pending and all(f.consequence for f in failures):
+            ends = [t for t in (deadline, grace_end) if t is not None]
+            wait_s = None if not ends else max(0.0, min(ends) - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            if not ready:
+                break
+            for ref in ready:
+                failure = self._outcome(job, rank_of[ref], ref, values)
+                if failure is not None:
+                    failures.append(failure)
+                    if grace_end is None:
+                        grace_end = time.monotonic() + FAILURE_GRACE_S
+        return values, failures, sorted(rank_of[ref] for ref in pending)
+
+    def _outcome(self, job: Job, rank: int, ref: Any, values: list[Any]) -> _Failure | None:
         ray = self._ray
         try:
             outcome = ray.get(ref)

@@ -31,7 +31,7 @@ os.environ.update(_RAY_ENV)
 ray = pytest.importorskip("ray")
 
 import ringflow  # noqa: E402
-from ringflow.errors import LaunchError, PeerError, RankFailure, RingflowError  # noqa: E402
+from ringflow.errors import ConfigError, LaunchError, PeerError, RankFailure, RingflowError  # noqa: E402
 from ringflow.ray import RayExecutor  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -207,6 +207,10 @@ def test_execute_and_execute_single_use_the_executable(executor_of) -> None:
     assert executor.execute(lambda counter: counter.value) == [9, 7]
     with pytest.raises(LaunchError, match="running already"):
         executor.start()
+    lock = threading.Lock()
+    with pytest.raises(ConfigError, match="could not serialize"):
+        executor.run(lambda: lock)
+    assert executor.execute_single(lambda counter: counter.value) == 9  # the job goes on
 
 
 def test_a_deadline_stops_the_job_and_names_the_first_unfinished_rank(executor_of) -> None:
