@@ -19,9 +19,10 @@ Start (:meth:`RayExecutor.start`), in the driver process, which must have called
 4. Environment: each actor gets DESIGN.md section 5's variables in its ``os.environ`` and the
    secret on a pipe named by ``RINGFLOW_SECRET_FD`` (:mod:`._worker`), so a function run there
    calls ``ringflow.init()`` / ``hvd.init()`` unchanged. The secret travels as an argument of one
-   actor call, in Ray's own channel from the driver to that actor, the channel that carries the
-   user's functions (whoever can use the Ray cluster can run code in the actors anyway); it is
-   never in a command line, an environment value or a log line.
+   actor method call, which Ray sends directly from the driver's process to the actor's (not in
+   the actor-creation spec, which the GCS keeps), the channel that carries the user's functions
+   (whoever can use the Ray cluster can run code in the actors anyway); it is never in a command
+   line, an environment value or a log line.
 
 Calls. :meth:`~RayExecutor.run` / :meth:`~RayExecutor.execute` / :meth:`~RayExecutor.
 execute_single` send the function once (``ray.put``), run it on every rank (rank 0 only), and
@@ -62,9 +63,9 @@ log = logging.getLogger(__name__)
 _INSTALL = "pip install 'ringflow[ray]'"
 #: After a rank fails with an error that another rank's failure causes (PeerError,
 #: ShutdownError), how long to wait for that other failure before reporting this one. A peer's
-#: death reaches the other ranks as PeerError within milliseconds, and Ray reports the dead actor
-#: to the driver 3-12 ms after SIGKILL or ray.kill (measured here, Ray 2.60, one node); 2 s
-#: leaves room for a loaded machine and a remote node.
+#: death reaches the other ranks as PeerError within milliseconds, and Ray reported the dead actor
+#: to the driver 3-12 ms after SIGKILL or ray.kill (run() raised 27-41 ms after the kill; Ray
+#: 2.60, one node, 2 CPUs); 2 s leaves room for a loaded machine and a remote node.
 FAILURE_GRACE_S = 2.0
 
 
@@ -295,9 +296,9 @@ class RayExecutor:
                      "use_current_placement_group=False to create one)")
             job.placement_group = current
             return [strategy(-1) for _ in range(self.num_workers)]
-        per_worker = {"CPU": self.cpus_per_worker}
-        if self.gpus_per_worker:
-            per_worker["GPU"] = self.gpus_per_worker
+        # Ray refuses a bundle entry of 0.
+        per_worker = {k: v for k, v in (("CPU", self.cpus_per_worker),
+                                        ("GPU", self.gpus_per_worker)) if v}
         if self.num_hosts is None:
             bundles = [dict(per_worker) for _ in range(self.num_workers)]
             kind, bundle_of = "PACK", list(range(self.num_workers))
