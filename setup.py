@@ -15,9 +15,12 @@ setup(
         "mpi": ["mpi4py", "openmpi"],
         "slurm": ["python-hostlist"],
         "gpu": ["cupy-cuda12x"],
+        # ringflow.ray.RayExecutor; tested with 2.60 (the core package is enough: no dashboard).
+        "ray": ["ray>=2.60,<3"],
         # Everything the whole test suite exercises; torch stays pinned by constraints.txt.
         "test": ["pytest", "pytest-timeout", "scikit-learn", "pyyaml", "mpi4py", "openmpi",
-                 "torch", "tensorflow-cpu", "cloudpickle", "python-hostlist"],
+                 "torch", "tensorflow-cpu", "cloudpickle", "python-hostlist",
+                 "ray>=2.60,<3"],
         "examples": ["scikit-learn"],
         "bench": ["matplotlib"],
     },
