@@ -4,6 +4,31 @@ Each field ``name`` is read from ``RINGFLOW_<NAME>``; ``ringflow-run`` flags set
 for the workers, so a flag wins over the environment it was started from. Bad values raise
 :class:`~ringflow.errors.ConfigError` naming the variable; an unknown ``RINGFLOW_*`` name logs a
 warning with the closest known name.
+
+Horovod's tuning variables are read too (:func:`read_horovod_env`), under any launcher
+(``ringflow-run``, ``mpirun``, ``torchrun``), with Horovod's names, units and parsing
+(``horovod/common/operations.cc``, ``logging.cc``, ``gloo_context.cc``):
+
+* ``HOROVOD_FUSION_THRESHOLD`` (bytes) -> ``RINGFLOW_FUSION_THRESHOLD_BYTES``
+* ``HOROVOD_CYCLE_TIME`` (ms) -> ``RINGFLOW_CYCLE_TIME_MS``
+* ``HOROVOD_CACHE_CAPACITY`` -> ``RINGFLOW_CACHE_CAPACITY``
+* ``HOROVOD_TIMELINE`` (a path) -> ``RINGFLOW_TIMELINE_PATH``; ``DYNAMIC`` (Horovod: no file until
+  ``start_timeline()``) is what ringflow does without one, so nothing is read
+* ``HOROVOD_STALL_CHECK_DISABLE`` (> 0) -> ``RINGFLOW_STALL_WARNING_S``, ``_STALL_SHUTDOWN_S`` and
+  ``_DEADLOCK_SHUTDOWN_S`` = 0, as ``ringflow-run --no-stall-check``
+* ``HOROVOD_STALL_CHECK_TIME_SECONDS`` -> ``RINGFLOW_STALL_WARNING_S``
+* ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` -> ``RINGFLOW_STALL_SHUTDOWN_S``
+* ``HOROVOD_LOG_LEVEL`` -> ``RINGFLOW_LOG_LEVEL`` (trace -> debug, fatal -> error)
+* ``HOROVOD_GLOO_TIMEOUT_SECONDS`` -> ``RINGFLOW_TIMEOUT_S`` (both: how long one wait on a peer may
+  take; both default to 30 s)
+
+Each one read logs a warning that names the mapping (``HOROVOD_CYCLE_TIME=5 read as
+RINGFLOW_CYCLE_TIME_MS=5.0``). A ``RINGFLOW_*`` variable that is set wins, and the Horovod one is
+then ignored (logged at INFO). ``HOROVOD_HIERARCHICAL_ALLREDUCE``, ``_HIERARCHICAL_ALLGATHER``,
+``_AUTOTUNE`` and ``_TIMELINE_MARK_CYCLES`` have no ringflow meaning: turned on, they log a warning
+that says why. A worker of ``ringflow-run`` (``RINGFLOW_LAUNCHER_PID`` set) logs these notes at
+INFO only: the launcher has already written them once, and it passes what it read on as
+``RINGFLOW_*`` variables.
 """
 
 from __future__ import annotations
@@ -12,11 +37,11 @@ import dataclasses
 import difflib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["ENV_CONTRACT", "Config"]
+__all__ = ["ENV_CONTRACT", "HOROVOD_LOG_LEVELS", "Config", "HorovodEnv", "read_horovod_env"]
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +113,10 @@ class Config:
         }
         for name, ok in checks.items():
             if not ok:
-                raise ConfigError(
+                raise _OutOfRange(
+                    name,
                     f"{_env_name(name)}={getattr(self, name)!r} is out of range; "
-                    f"the default is {_DEFAULTS[name]!r}"
+                    f"the default is {_DEFAULTS[name]!r}",
                 )
 
     @classmethod
@@ -98,20 +124,33 @@ class Config:
         """Build a Config from ``RINGFLOW_*`` variables; keyword ``overrides`` win."""
         env = os.environ if environ is None else environ
         _warn_unknown(env)
+        horovod = read_horovod_env(env)
+        quiet = bool(env.get("RINGFLOW_LAUNCHER_PID"))  # ringflow-run has reported them
+        for line in (*horovod.read, *horovod.unused):
+            log.log(logging.INFO if quiet else logging.WARNING, "%s", line)
+        for line in horovod.ignored:
+            log.info("%s", line)
         values: dict[str, object] = {}
         for field in dataclasses.fields(cls):
-            raw = env.get(_env_name(field.name))
+            var = _env_name(field.name)
+            raw = env.get(var)
+            if raw is None or raw == "":
+                raw = horovod.values.get(var)
             if raw is None or raw == "":
                 continue
-            kind = type(_DEFAULTS[field.name])
-            try:
-                values[field.name] = kind(float(raw)) if kind is int else kind(raw)
-            except ValueError as exc:
-                raise ConfigError(
-                    f"{_env_name(field.name)}={raw!r} is not a valid {kind.__name__}"
-                ) from exc
+            values[field.name] = _parse(field.name, raw)
         values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except _OutOfRange as exc:
+            source = horovod.sources.get(_env_name(exc.field))
+            if source is None or exc.field in overrides:
+                raise
+            raise ConfigError(
+                f"{source}={env[source]!r} (read as {_env_name(exc.field)}="
+                f"{values[exc.field]!r}) is out of range; the default is "
+                f"{_DEFAULTS[exc.field]!r}"
+            ) from None
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -120,6 +159,163 @@ _KNOWN = {*(f"RINGFLOW_{n.upper()}" for n in _DEFAULTS), *ENV_CONTRACT}
 
 def _env_name(field: str) -> str:
     return f"RINGFLOW_{field.upper()}"
+
+
+class _OutOfRange(ConfigError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _parse(field: str, raw: str) -> object:
+    """``raw`` as the type of Config field ``field``.
+
+    Raises:
+        ConfigError: ``raw`` is not a number where the field is one.
+    """
+    kind = type(_DEFAULTS[field])
+    try:
+        return kind(float(raw)) if kind is int else kind(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{_env_name(field)}={raw!r} is not a valid {kind.__name__}") from exc
+
+
+# --- Horovod's variables -------------------------------------------------------------------------
+
+#: Horovod's log level names (horovod/common/logging.cc, case-insensitive) -> ringflow's.
+HOROVOD_LOG_LEVELS = {"trace": "debug", "debug": "debug", "info": "info", "warning": "warning",
+                      "error": "error", "fatal": "error"}
+_STALL_OFF = ("RINGFLOW_STALL_WARNING_S", "RINGFLOW_STALL_SHUTDOWN_S",
+              "RINGFLOW_DEADLOCK_SHUTDOWN_S")
+
+
+def _horovod_int(raw: str) -> int:
+    return int(raw.strip())
+
+
+def _horovod_flag(raw: str) -> bool:
+    """Horovod's booleans: ``strtol(value) > 0`` (``"1"`` on, ``"0"`` or junk off)."""
+    try:
+        return int(raw.strip()) > 0
+    except ValueError:
+        return False
+
+
+def _horovod_level(raw: str) -> str:
+    level = raw.strip().lower()
+    if level not in HOROVOD_LOG_LEVELS:
+        raise ValueError(raw)
+    return HOROVOD_LOG_LEVELS[level]
+
+
+#: Horovod variable -> (what its value is, the RINGFLOW_* variables it sets, the conversion).
+#: Processed in this order; a variable already set by an earlier Horovod one is not set again
+#: (HOROVOD_STALL_CHECK_DISABLE=1 beats HOROVOD_STALL_CHECK_TIME_SECONDS, as in Horovod).
+_HOROVOD: dict[str, tuple[str, tuple[str, ...], Callable[[str], object]]] = {
+    "HOROVOD_FUSION_THRESHOLD": ("an integer number of bytes",
+                                 ("RINGFLOW_FUSION_THRESHOLD_BYTES",), _horovod_int),
+    "HOROVOD_CYCLE_TIME": ("a number of milliseconds", ("RINGFLOW_CYCLE_TIME_MS",), float),
+    "HOROVOD_CACHE_CAPACITY": ("an integer", ("RINGFLOW_CACHE_CAPACITY",), _horovod_int),
+    "HOROVOD_TIMELINE": ("a file path", ("RINGFLOW_TIMELINE_PATH",), str),
+    "HOROVOD_STALL_CHECK_DISABLE": ("0 or 1", _STALL_OFF, _horovod_flag),
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": ("an integer number of seconds",
+                                         ("RINGFLOW_STALL_WARNING_S",), _horovod_int),
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": ("an integer number of seconds",
+                                            ("RINGFLOW_STALL_SHUTDOWN_S",), _horovod_int),
+    "HOROVOD_LOG_LEVEL": ("one of " + ", ".join(HOROVOD_LOG_LEVELS),
+                          ("RINGFLOW_LOG_LEVEL",), _horovod_level),
+    "HOROVOD_GLOO_TIMEOUT_SECONDS": ("an integer number of seconds", ("RINGFLOW_TIMEOUT_S",),
+                                     _horovod_int),
+}
+
+#: Horovod variables without a ringflow meaning -> why, said when they are turned on (> 0).
+_HOROVOD_UNUSED = {
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": (
+        "ringflow picks the hierarchical allreduce itself (shared memory within each host, "
+        "a ring across hosts) whenever every host runs the same number of ranks"),
+    "HOROVOD_HIERARCHICAL_ALLGATHER": (
+        "ringflow's allgather is a ring over all ranks; there is no hierarchical variant"),
+    "HOROVOD_AUTOTUNE": (
+        "ringflow has no autotuner; set RINGFLOW_FUSION_THRESHOLD_BYTES and "
+        "RINGFLOW_CYCLE_TIME_MS yourself"),
+    "HOROVOD_TIMELINE_MARK_CYCLES": (
+        "ringflow has no cycles to mark (negotiation is event-driven); the timeline is "
+        "written without them"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HorovodEnv:
+    """What :func:`read_horovod_env` made of an environment's ``HOROVOD_*`` variables."""
+
+    #: ``RINGFLOW_*`` values read from Horovod variables (only where no RINGFLOW_* is set).
+    values: dict[str, str]
+    #: RINGFLOW_* variable -> the Horovod variable its value came from.
+    sources: dict[str, str]
+    #: One line per Horovod variable read: ``"HOROVOD_X=v read as RINGFLOW_Y=w"``.
+    read: tuple[str, ...] = ()
+    #: One line per Horovod variable that a set RINGFLOW_* variable overrides.
+    ignored: tuple[str, ...] = ()
+    #: One line per Horovod variable turned on that has no ringflow meaning, saying why.
+    unused: tuple[str, ...] = ()
+
+
+def read_horovod_env(environ: Mapping[str, str] | None = None) -> HorovodEnv:
+    """Horovod's tuning variables of ``environ`` (default ``os.environ``) as ``RINGFLOW_*`` values.
+
+    A ``RINGFLOW_*`` variable set in ``environ`` wins over the Horovod one; one equal to what the
+    Horovod one means is not reported at all (ringflow-run passes what it read on that way).
+
+    Raises:
+        ConfigError: a Horovod variable's value is not what Horovod expects there (the message
+            names the variable, the expected form and the RINGFLOW_* variable it is read as).
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    read: list[str] = []
+    ignored: list[str] = []
+    for name, (form, targets, convert) in _HOROVOD.items():
+        raw = env.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            value = convert(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{name}={raw!r} is not {form} (Horovod's meaning; ringflow reads it as "
+                f"{', '.join(targets)}); fix or unset it"
+            ) from None
+        if value is False or (name == "HOROVOD_TIMELINE" and raw.strip() in ("DYNAMIC",
+                                                                             "DISABLED")):
+            continue  # Horovod's "off": nothing to read
+        text = "0" if value is True else str(value)
+        used: list[str] = []
+        overridden: list[str] = []
+        for var in targets:
+            set_to = env.get(var)
+            if set_to:
+                if not _same(var, set_to, text):
+                    overridden.append(f"{var}={set_to}")
+            elif var not in values:
+                values[var] = text
+                sources[var] = name
+                used.append(f"{var}={text}")
+        if used:
+            read.append(f"{name}={raw} read as {', '.join(used)}")
+        if overridden:
+            ignored.append(f"{name}={raw} is ignored: {', '.join(overridden)} is set")
+    unused = [f"{name}={env[name]} has no effect: {why}"
+              for name, why in _HOROVOD_UNUSED.items() if _horovod_flag(env.get(name, ""))]
+    return HorovodEnv(values, sources, tuple(read), tuple(ignored), tuple(unused))
+
+
+def _same(var: str, a: str, b: str) -> bool:
+    field = var[len("RINGFLOW_"):].lower()
+    try:
+        return _parse(field, a) == _parse(field, b)
+    except ConfigError:
+        return False
 
 
 def _warn_unknown(env: Mapping[str, str]) -> None:

@@ -22,6 +22,18 @@ Each worker
       is set already), and ``RINGFLOW_SECRET_FD``: the number of an inherited pipe from which it
       reads the secret as hex text and a newline. The secret is never in an argv, an environment
       value, or a log line;
+    * also gets torchrun's variables (:data:`TORCHRUN_ENV`): ``RANK, LOCAL_RANK, WORLD_SIZE,
+      LOCAL_WORLD_SIZE``, ``GROUP_RANK, GROUP_WORLD_SIZE`` (its host's index and the number of
+      hosts, as torchrun's node rank and node count), ``ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME``
+      (one role, ``default``), and ``MASTER_ADDR, MASTER_PORT``, so that scripts written for
+      torchrun and ``torch.distributed.init_process_group()`` (``env://``) work unchanged.
+      ringflow itself never reads them here (``RINGFLOW_RANK`` comes first). ``MASTER_ADDR`` is
+      rank 0's host: the store's address when rank 0 runs on this host (``127.0.0.1`` for a
+      single-host job), else its name in the host list. ``MASTER_PORT`` is a port nothing of
+      ringflow uses, for rank 0's torch to listen on: :func:`reserve_port` keeps it bound
+      (``SO_REUSEADDR``, not listening) on this host for the life of the job, so that no other
+      ``bind()`` to port 0 here -- a worker's own sockets included -- can take it in the meantime
+      (for a rank 0 on another host it is merely free here; pass one known free there).
     * leads its own session (``setsid``), so a signal reaches the worker and the processes it
       started, and a Ctrl-C in the launcher's terminal reaches only the launcher, which forwards it;
     * on Linux, is killed (``PR_SET_PDEATHSIG``) when the launcher's thread that started it dies,
@@ -50,6 +62,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -62,8 +75,8 @@ from .hosts import WorkerSpec, is_local
 from .ssh import SshOptions, ssh_argv
 
 __all__ = [
-    "DEFAULT_GRACE_S", "MEMCPY_TUNABLE", "JobResult", "LocalJob", "WorkerExit", "glibc_tunables",
-    "run_job", "start_store", "worker_environ",
+    "DEFAULT_GRACE_S", "MEMCPY_TUNABLE", "TORCHRUN_ENV", "JobResult", "LocalJob", "WorkerExit",
+    "glibc_tunables", "reserve_port", "run_job", "start_store", "worker_environ",
 ]
 
 log = logging.getLogger(__name__)
@@ -164,6 +177,15 @@ def glibc_tunables(env: Mapping[str, str]) -> str:
     return ":".join(filter(None, (tunables, MEMCPY_TUNABLE)))
 
 
+#: torchrun's launcher -> worker variables (torch/distributed/elastic/agent/server/
+#: local_elastic_agent.py) that every worker gets too; ``TORCHELASTIC_*`` are left out, so that
+#: nothing mistakes a ringflow job for an elastic agent's.
+TORCHRUN_ENV = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+)
+
+
 def worker_environ(
     spec: WorkerSpec,
     *,
@@ -171,8 +193,14 @@ def worker_environ(
     rendezvous_port: int,
     job_id: str,
     base_env: Mapping[str, str] | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
 ) -> dict[str, str]:
-    """The environment of one worker (without ``RINGFLOW_SECRET_FD``, which is per process)."""
+    """The environment of one worker (without ``RINGFLOW_SECRET_FD``, which is per process).
+
+    ``MASTER_ADDR`` / ``MASTER_PORT`` are set when given (``run_job`` always gives them);
+    otherwise those of ``base_env`` are removed, since they would name another job's master.
+    """
     env = dict(os.environ if base_env is None else base_env)
     for stale in ("RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE"):
         env.pop(stale, None)
@@ -188,9 +216,45 @@ def worker_environ(
         "RINGFLOW_RENDEZVOUS_PORT": str(rendezvous_port),
         "RINGFLOW_JOB_ID": job_id,
         "RINGFLOW_LAUNCHER_PID": str(os.getpid()),
+        "RANK": str(spec.rank),
+        "LOCAL_RANK": str(spec.local_rank),
+        "WORLD_SIZE": str(spec.size),
+        "LOCAL_WORLD_SIZE": str(spec.local_size),
+        "GROUP_RANK": str(spec.cross_rank),
+        "GROUP_WORLD_SIZE": str(spec.cross_size),
+        "ROLE_RANK": str(spec.rank),
+        "ROLE_WORLD_SIZE": str(spec.size),
+        "ROLE_NAME": "default",
     })
+    for name, value in (("MASTER_ADDR", master_addr), ("MASTER_PORT", master_port)):
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(value)
     env["GLIBC_TUNABLES"] = glibc_tunables(env)
     return env
+
+
+def reserve_port() -> socket.socket:
+    """A TCP socket bound to a free port on every IPv4 address of this host, not listening.
+
+    With ``SO_REUSEADDR`` set on it, Linux gives its port to no other ``bind()`` to port 0 while
+    it is open, yet lets a socket that sets ``SO_REUSEADDR`` too bind the port and listen, as
+    torch's ``TCPStore`` does on rank 0 for ``init_process_group()``. The caller closes it.
+
+    Raises:
+        LaunchError: no port could be bound.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", 0))
+    except OSError as exc:
+        sock.close()
+        raise LaunchError(
+            f"could not reserve a port for MASTER_PORT: {exc}; pass --master-port PORT"
+        ) from exc
+    return sock
 
 
 class LocalJob:
@@ -216,8 +280,10 @@ class LocalJob:
         ssh: SshOptions | None = None,
         output_dir: str | None = None,
         timestamps: bool = False,
+        master: tuple[str, int] | None = None,
     ) -> None:
         self._ssh = ssh if ssh is not None else SshOptions()
+        self._master = master
         self._remote = [not is_local(w.host) for w in workers]
         self._output_dir = output_dir
         self._timestamps = timestamps
@@ -257,9 +323,10 @@ class LocalJob:
         try:
             for spec in self._workers:
                 argv = list(self._command(spec) if callable(self._command) else self._command)
+                master_addr, master_port = self._master or (None, None)
                 env = worker_environ(
                     spec, rendezvous_addr=addr, rendezvous_port=port, job_id=self._job_id,
-                    base_env=self._base_env,
+                    base_env=self._base_env, master_addr=master_addr, master_port=master_port,
                 )
                 log.info("starting rank %d on %s: %s", spec.rank, spec.host, argv)
                 self._procs.append(self._spawn(spec, argv, env, setup))
@@ -491,6 +558,8 @@ def run_job(
     output_dir: str | None = None,
     timestamps: bool = False,
     store: tuple[bytes, Any] | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
 ) -> JobResult:
     """Run ``command`` once per worker spec, with a fresh secret and rendezvous store.
 
@@ -501,18 +570,28 @@ def run_job(
     ``ssh`` says how to reach workers on other hosts; ``network_interface`` picks the interface
     the store listens on (see :mod:`.netif`). ``store`` is a ``(secret, StoreServer)`` pair from
     :func:`start_store` that the caller keeps and closes (to read what the workers left in it);
-    by default :func:`run_job` starts and closes its own.
+    by default :func:`run_job` starts and closes its own. ``master_addr`` / ``master_port`` are the
+    workers' ``MASTER_ADDR`` / ``MASTER_PORT`` (default: rank 0's host, and a port reserved on
+    this host for the job's duration; see the module doc).
 
     Raises:
         LaunchError: the store or a worker could not be started.
     """
     owned = store is None
     secret, server = start_store(workers, network_interface, start_timeout_s) if owned else store
+    reserved: socket.socket | None = None
     try:
+        if master_addr is None:
+            first = workers[0].host if workers else "localhost"
+            master_addr = server.host if is_local(first) else first
+        if master_port is None:
+            reserved = reserve_port()
+            master_port = int(reserved.getsockname()[1])
         job = LocalJob(
             command, workers, secret=secret, rendezvous=(server.host, server.port),
             job_id=secrets.token_hex(8), base_env=base_env, stdout=stdout, stderr=stderr,
             grace_s=grace_s, ssh=ssh, output_dir=output_dir, timestamps=timestamps,
+            master=(master_addr, master_port),
         )
         log.info("rendezvous store on %s:%d", server.host, server.port)
         with _signals_to(job if handle_signals else None):
@@ -521,6 +600,8 @@ def run_job(
                 on_start(job)
             return job.wait(timeout_s)
     finally:
+        if reserved is not None:
+            reserved.close()
         if owned:
             server.close()
 

@@ -13,10 +13,12 @@ For the worker of rank ``r`` on ``host`` the launcher runs (an argv list, no loc
   Host-key checking stays as the user's ssh configuration has it; only ``host_key_checking=False``
   (``--disable-host-key-checking``) adds ``StrictHostKeyChecking=no`` and a throwaway
   ``UserKnownHostsFile``.
-* The environment is not the launcher's: only the ``RINGFLOW_*`` contract and knobs, and the
-  allow-list :data:`FORWARDED` / :data:`FORWARDED_PREFIXES` (interpreter and library paths, locale,
-  thread counts, NCCL and CUDA settings), plus names given with ``-x``. Tokens and keys in the
-  launcher's environment stay on the launcher's host.
+* The environment is not the launcher's: only the ``RINGFLOW_*`` contract and knobs, torchrun's
+  variables (``RANK``, ``MASTER_ADDR``, ...: :data:`~ringflow.runner.launch.TORCHRUN_ENV`), and
+  the allow-list :data:`FORWARDED` / :data:`FORWARDED_PREFIXES` (interpreter and library paths,
+  locale, thread counts, NCCL and CUDA settings), plus names given with ``-x`` (``-x NAME=VALUE``
+  puts that value in the worker's environment first). Tokens and keys in the launcher's
+  environment stay on the launcher's host.
 * The secret is written to ssh's stdin (one line of hex), never to its argv; the remote bootstrap
   (:mod:`ringflow.runner.remote`) reads it and hands it to the worker on a pipe
   (``RINGFLOW_SECRET_FD``). ssh's stdin stays open for the life of the job: when the launcher dies,
@@ -43,6 +45,9 @@ FORWARDED = frozenset({
     "PYTHONWARNINGS", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV",
     "LANG", "LANGUAGE", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GLIBC_TUNABLES",
+    # torchrun's contract, which every worker gets (launch.TORCHRUN_ENV).
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
 })
 #: Prefixes of variables copied likewise (ringflow's own knobs, locale, NCCL tuning).
 FORWARDED_PREFIXES = ("RINGFLOW_", "LC_", "NCCL_")
@@ -58,7 +63,7 @@ class SshOptions:
     identity_file: str | None = None
     config_file: str | None = None
     host_key_checking: bool = True
-    #: Extra variable names to forward (``-x NAME``).
+    #: Extra variable names to forward (``-x NAME``, and the names of ``-x NAME=VALUE``).
     export: tuple[str, ...] = ()
     #: ``--network-interface``: resolved on each remote host into ``RINGFLOW_BIND_ADDR``.
     bind_interface: str | None = None
