@@ -49,6 +49,19 @@ def wait_failure(handle: rf.Handle, timeout: float = 30.0) -> dict[str, Any]:
     return out
 
 
+def async_failure(fn: Any, *args: Any, timeout: float = 30.0, **kwargs: Any) -> dict[str, Any]:
+    """The failure of an ``*_async`` call: raised at the call when this rank already knows the
+    job has failed (every later call raises the job's error), else by its handle."""
+    start = time.monotonic()
+    try:
+        handle = fn(*args, **kwargs)
+    except RingflowError as exc:
+        return {"type": type(exc).__name__, "text": str(exc), "elapsed": 0.0, "at_call": True}
+    out = failure(handle.wait, timeout)
+    out["elapsed"] = time.monotonic() - start
+    return out
+
+
 def tri(n: int) -> int:
     return n * (n + 1) // 2
 
@@ -374,8 +387,7 @@ def peer_exit(r: int, n: int, outdir: Path) -> dict[str, Any]:
     if r == n - 1:
         (outdir / f"{r}.json").write_text(json.dumps({"rank": r, "exited": True}))
         os._exit(0)
-    h = rf.allreduce_async(np.ones(2), name="pe.after")
-    return {"pending": wait_failure(h, 30)}
+    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="pe.after")}
 
 
 def peer_exit_midop(r: int, n: int, outdir: Path) -> dict[str, Any]:
@@ -403,7 +415,7 @@ def shutdown_early(r: int, n: int) -> dict[str, Any]:
     if r == 1:
         rf.shutdown()
         return {}
-    return {"pending": wait_failure(rf.allreduce_async(np.ones(2), name="se.after"), 30)}
+    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="se.after")}
 
 
 def peer_frozen(r: int, n: int, outdir: Path) -> dict[str, Any]:
@@ -412,8 +424,8 @@ def peer_frozen(r: int, n: int, outdir: Path) -> dict[str, Any]:
         (outdir / "frozen.pid").write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)
         return {"resumed": True}
-    h = rf.allreduce_async(np.ones(2), name="pf.after")
-    return {"pending": wait_failure(h, 60)}
+    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="pf.after",
+                                     timeout=60)}
 
 
 def stall(r: int, n: int) -> dict[str, Any]:
@@ -421,8 +433,7 @@ def stall(r: int, n: int) -> dict[str, Any]:
     if r == n - 1:
         time.sleep(5)  # past RINGFLOW_STALL_SHUTDOWN_S: the job has failed by now
         return {"pending": failure(rf.allreduce, np.ones(2), name="st.skipped")}
-    h = rf.allreduce_async(np.ones(2), name="st.skipped")
-    return {"pending": wait_failure(h, 30)}
+    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="st.skipped")}
 
 
 SCENARIOS = {
