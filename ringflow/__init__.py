@@ -105,7 +105,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
         PeerError / RingflowTimeoutError: the other ranks could not be reached within timeout_s.
     """
     global _engine, _info, _client
-    from . import topology, transport
+    from . import topology
+    from .backends import connect
     from .engine import Engine
 
     with _state_lock:
@@ -127,7 +128,6 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
             info = topology.detect()
         generation = next(_generation)
         prefix, store = f"init{generation}/", None
-        mpi_comm = comm is not None and config.transport in ("auto", "mpi")
         if info.size == 1 and not info.placed:
             info = topology.place(info, [info.hostname])
         elif info.size > 1:
@@ -141,17 +141,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
         if config.bind_to == "core":
             cpus = topology.bind_to_cores(info)
             logging.getLogger("ringflow").info("rank %d bound to CPUs %s", info.rank, cpus)
-        if info.size == 1:
-            from .transport.tcp import TcpTransport
-
-            link: Any = TcpTransport(0, 1, {}, config.timeout_s)
-        elif mpi_comm:
-            link = transport.create("mpi", info.rank, info.size, None, config, comm=comm)
-        else:
-            link = transport.connect(info, store, config, prefix=prefix)
+        backends = connect(info, store, config, prefix, comm=comm)
         _info = info
         _client = Client(store) if store is not None else local_client(config.timeout_s)
-        _engine = Engine(info.rank, info.size, link, config)
+        _engine = Engine(info.rank, info.size, backends, config)
         _counters.clear()
     for ps in process_sets or ():
         add_process_set(ps)

@@ -24,9 +24,13 @@ One round of negotiation:
    is reduced right there (rank order, :func:`~ringflow.algorithms.local.reduce_parts`) and its
    result travels in the plan: one round trip and no data-plane collective;
 3. every rank walks the plan in order: process-set changes and the response cache are updated at
-   once; other items are completed or queued for the engine thread, which packs the tensors into
-   a reusable fusion buffer of the wire dtype (casting compresses), runs the algorithm, unpacks
-   (casting decompresses) and completes the handles.
+   once; other items are completed or queued for the engine thread, whose
+   :class:`~ringflow.executor.Executor` packs the tensors into a reusable fusion buffer of the
+   wire dtype (casting compresses), runs the algorithm, and unpacks (casting decompresses); the
+   engine completes the handles.
+
+The messages are the frozen dataclasses of :mod:`ringflow.messages`; the engine thread's inbox
+holds :class:`Wake` items.
 
 Handles are completed after the lock is released, so a done-callback may call back into ringflow.
 
@@ -35,17 +39,16 @@ and text. A fatal condition (a peer died or went silent for ``timeout_s``, a sta
 ``stall_shutdown_s``, a data-plane error) is reported to the coordinator, which broadcasts one text
 that every rank uses; every pending handle fails with it and later calls raise ShutdownError
 naming it. Only the engine thread acts on failures; other threads pass them on through its inbox.
-A heartbeat thread exchanges a small message between each rank and rank 0 every
-``min(1 s, timeout_s / 4)``, so a frozen process is found even while nothing is pending.
+:mod:`ringflow.liveness` exchanges heartbeats between each rank and rank 0, so a frozen process is
+found even while nothing is pending.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import logging
-import math
-import pickle
 import queue
 import threading
 import time
@@ -55,14 +58,16 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms, errors
+from . import errors
+from .backends import Backends
 from .config import Config
-from .errors import PeerError, RingflowError, ShutdownError
+from .errors import RingflowError, ShutdownError, from_wire
+from .executor import Entry, Executor, eager_input, unpack
 from .handles import Handle
-from .negotiation import EAGER_BYTES, CachedAllreduce, Coordinator, Request, Response, ResponseCache
-from .ops import DTYPES, ReduceOp, scale_into
+from .liveness import Liveness
+from .messages import Abort, Fatal, Heartbeat, Message, Plan, Submit, decode, encode
+from .negotiation import CachedAllreduce, Coordinator, Request, Response, ResponseCache
 from .timeline import Timeline, path_for_rank
-from .transport import Subset
 
 __all__ = ["Engine", "Entry"]
 
@@ -73,29 +78,31 @@ Key = tuple[int, str]
 # How long the waiter of an operation submitted while the engine was idle polls before sleeping.
 _LONE_SPIN_S = 100e-6
 
+
+class Wake(enum.Enum):
+    """What an item of the engine thread's inbox asks of it: ``(Wake.X, *arguments)``."""
+
+    ENQUEUE = "enqueue"  # (entry,): accept it (submitted while the engine was busy)
+    MESSAGE = "message"  # (src, Abort | Fatal): act on a verdict
+    PEER = "peer"  # (rank, error): a peer failed or said goodbye
+    ERROR = "error"  # (exception,): another thread failed doing control work
+    RUN = "run"  # (): plan items are ready to execute
+    TICK = "tick"  # (): check liveness, stalls and the fusion window
+    STOP = "stop"  # (): shut down
+
 # Plan items that move data through the transport; everything else completes from the plan alone.
 _DATA_OPS = frozenset({"allreduce", "allgather", "broadcast", "alltoall", "reducescatter"})
 
 
-class Entry:
-    """A tensor handed to the engine: its request, input, optional output, and handle."""
-
-    __slots__ = ("array", "handle", "out", "request")
-
-    def __init__(self, request: Request, array: np.ndarray | None, out: Any, handle: Handle):
-        self.request = request
-        self.array = array
-        self.out = out
-        self.handle = handle
-
-
 class Engine:
-    def __init__(self, rank: int, size: int, transport: Any, config: Config) -> None:
+    def __init__(self, rank: int, size: int, backends: Backends, config: Config) -> None:
         self.rank = rank
         self.size = size
-        self.transport = transport
+        self.backends = backends
+        self.transport = transport = backends.transport
         self.config = config
         self.process_sets: dict[int, list[int]] = {0: list(range(size))}
+        self.executor = Executor(backends, self.process_sets)
         self.cache = ResponseCache(config.cache_capacity)
         self.coordinator = (
             Coordinator(size, self._members, config.fusion_threshold_bytes, self.cache)
@@ -114,25 +121,19 @@ class Engine:
         self._queued: set[Key] = set()  # entries in the inbox not yet accepted
         self._pending: dict[Key, Entry] = {}
         self._submitted: dict[Key, Request] = {}
-        # Plan items for the engine thread, in plan order: (item, entries, transport, result).
-        self._ready: collections.deque[tuple[Response, list, Any, Any]] = collections.deque()
-        self._fusion: dict[str, np.ndarray] = {}
-        self._subsets: dict[int, Any] = {}
+        # Plan items for the engine thread, in plan order: (item, entries, data plane?, result).
+        self._ready: collections.deque[tuple[Response, list, bool, Any]] = collections.deque()
         self._fatal: BaseException | None = None
         self._failure: tuple[BaseException, bool] | None = None  # to act on: (error, report)
         # Once set, enqueue() fails at once with this error; once _closed, nothing new is
         # accepted or planned (both set under _lock, so nothing slips in behind the final drain).
         self._refuse: BaseException | None = None
         self._closed = False
-        self._last_heard: dict[int, float] = {}
-        self._hb_interval = min(1.0, config.timeout_s / 4)
+        self._liveness = Liveness(rank, size, config.timeout_s)
         self._timeline: Timeline | None = None
         if config.timeline_path:
             self._set_timeline(config.timeline_path)
-        self._stop_hb = threading.Event()
         if size > 1:
-            now = time.monotonic()
-            self._last_heard = {r: now for r in (range(1, size) if rank == 0 else [0])}
             ref = weakref.ref(self)
             transport.set_ctrl_handler(
                 lambda src, payload: _call(ref, "_on_ctrl", src, payload),
@@ -141,9 +142,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name=f"ringflow-engine-{rank}",
                                         daemon=True)
         self._thread.start()
-        if size > 1:
-            threading.Thread(target=_heartbeat, args=(ref, self._stop_hb, self._hb_interval),
-                             name=f"ringflow-heartbeat-{rank}", daemon=True).start()
+        self._liveness.start(self, Engine._beat, f"ringflow-heartbeat-{rank}")
 
     @contextlib.contextmanager
     def _control(self) -> Iterator[None]:
@@ -191,12 +190,12 @@ class Engine:
                 # The engine thread batches what arrives meanwhile into one submission.
                 for entry in entries:
                     self._queued.add(entry.request.key)
-                    self._inbox.put(("enqueue", entry))
+                    self._inbox.put((Wake.ENQUEUE, entry))
             else:
                 try:
                     self._submit_entries(entries)  # idle: no reason to wake another thread
                 except Exception as exc:  # the engine thread fails the job (and these entries)
-                    self._inbox.put(("error", exc))
+                    self._inbox.put((Wake.ERROR, exc))
         return [entry.handle for entry in entries]
 
     def shutdown(self) -> None:
@@ -204,12 +203,12 @@ class Engine:
         with self._control():
             if self._refuse is None:
                 self._refuse = ShutdownError("ringflow has been shut down; call init() again")
-        self._inbox.put(("stop",))
+        self._inbox.put((Wake.STOP,))
         self._thread.join(self.config.timeout_s)
         if self._timeline is not None:
             self._timeline.close()
-        self._stop_hb.set()
-        self.transport.close()
+        self._liveness.stop()
+        self.backends.close()
 
     def timeline(self, path: str | None) -> None:
         """Start writing the timeline to ``path`` (this rank's file), or stop with None."""
@@ -223,28 +222,27 @@ class Engine:
 
     # callbacks from transport reader threads ---------------------------------------------------
     def _on_ctrl(self, src: int, payload: bytes) -> None:
-        self._last_heard[src] = time.monotonic()
-        msg = pickle.loads(payload)
-        kind = msg[0]
-        if kind == "hb":
-            return
-        if kind not in ("submit", "plan"):
-            self._inbox.put(("ctrl", src, msg))  # fatal / abort: the engine thread's business
-            return
+        self._liveness.heard(src)
         try:
+            msg = decode(payload)
+            if isinstance(msg, Heartbeat):
+                return
+            if isinstance(msg, (Abort, Fatal)):
+                self._inbox.put((Wake.MESSAGE, src, msg))  # the engine thread's business
+                return
             with self._control():
                 if self._closed:
                     return
-                if kind == "plan":
-                    self._receive(msg[1])
+                if isinstance(msg, Plan):
+                    self._receive(msg.items)
                 elif self.coordinator is not None:
-                    self.coordinator.submit(src, msg[1], msg[2], msg[3])
+                    self.coordinator.submit(src, msg.requests, msg.bits, msg.data)
                     self._plan()
         except Exception as exc:  # not this thread's to handle: the engine thread fails the job
-            self._inbox.put(("error", exc))
+            self._inbox.put((Wake.ERROR, exc))
 
     def _on_peer_failure(self, peer: int, error: BaseException) -> None:
-        self._inbox.put(("peer", peer, error))
+        self._inbox.put((Wake.PEER, peer, error))
 
     # the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -279,7 +277,7 @@ class Engine:
 
     def _next_items(self) -> list[tuple]:
         busy = self._pending or (self.coordinator is not None and self.coordinator.holding)
-        wait = self.config.cycle_time_ms / 1000.0 if busy else self._hb_interval
+        wait = self.config.cycle_time_ms / 1000.0 if busy else self._liveness.interval
         try:
             items = [self._inbox.get(timeout=wait)]
         except queue.Empty:
@@ -297,22 +295,22 @@ class Engine:
         stop = False
         for item in items:
             kind = item[0]
-            if kind == "enqueue":
+            if kind is Wake.ENQUEUE:
                 self._queued.discard(item[1].request.key)
                 entries.append(item[1])
-            elif kind == "ctrl":
-                self._on_message(item[2])
-            elif kind == "peer" and isinstance(item[2], ShutdownError):
+            elif kind is Wake.MESSAGE:
+                self._on_verdict(item[2])
+            elif kind is Wake.PEER and isinstance(item[2], ShutdownError):
                 # A peer that shut down on purpose sent its last plans before its goodbye: they
                 # are queued already; run them first (they may hold this rank's results).
                 departed.append(item)
-            elif kind == "peer":
+            elif kind is Wake.PEER:
                 self._on_peer(item[1], item[2])
-            elif kind == "error":
+            elif kind is Wake.ERROR:
                 exc = item[1]
                 self._note_failure(exc if isinstance(exc, RingflowError) else ShutdownError(
                     f"internal error in the engine: {exc!r}"))
-            elif kind == "stop":
+            elif kind is Wake.STOP:
                 stop = True
         if entries:
             self._submit_entries(entries)
@@ -339,7 +337,7 @@ class Engine:
             self.coordinator.submit(0, requests, bits, data)
             self._plan()
         else:
-            self._send(0, ("submit", requests, bits, data))
+            self._send(0, Submit(requests, bits, data))
 
     def _accept(self, entry: Entry, requests: list[Request], bits: list[int],
                 data: list[np.ndarray | None]) -> None:
@@ -352,7 +350,7 @@ class Engine:
             requests.append(req)
         else:
             bits.append(bit)
-            data.append(_eager_input(entry))
+            data.append(eager_input(entry))
         self._submitted[req.key] = req
 
     def _plan(self) -> None:
@@ -360,17 +358,16 @@ class Engine:
         holding = self.coordinator.holding
         plan = self.coordinator.plan(self.config.cycle_time_ms / 1000.0)
         if plan:
-            self._broadcast(("plan", plan))
+            self._broadcast(Plan(plan))
             self._receive(plan)
         elif self.coordinator.holding and not holding:
-            self._inbox.put(("tick",))  # the engine thread plans them when the window closes
+            self._inbox.put((Wake.TICK,))  # the engine thread plans them when the window closes
 
-    def _on_message(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "fatal":
-            self._note_failure(getattr(errors, msg[1])(msg[2]), report=False)
-        elif kind == "abort" and self.coordinator is not None:
-            self._note_failure(getattr(errors, msg[1])(msg[2]))
+    def _on_verdict(self, msg: Abort | Fatal) -> None:
+        if isinstance(msg, Fatal):
+            self._note_failure(msg.exception(), report=False)
+        elif self.coordinator is not None:
+            self._note_failure(msg.exception())
 
     def _on_peer(self, peer: int, error: BaseException) -> None:
         if isinstance(error, ShutdownError):
@@ -383,13 +380,10 @@ class Engine:
         self._note_failure(error)
 
     def _check_liveness(self) -> None:
-        now = time.monotonic()
-        for peer, heard in self._last_heard.items():
-            if now - heard > self.config.timeout_s:
-                self._note_failure(PeerError(
-                    f"rank {peer} has not responded for {now - heard:.1f} s: it is frozen or "
-                    "overloaded (RINGFLOW_TIMEOUT_S sets this limit)"))
-                return
+        silent = self._liveness.silent()
+        if silent is not None:
+            self._note_failure(silent)
+            return
         if self.coordinator is not None:
             warnings, fatal = self.coordinator.stalled(
                 self.config.stall_warning_s, self.config.stall_shutdown_s,
@@ -409,9 +403,9 @@ class Engine:
         """Make ``error`` the job's fatal error on this rank (rank 0: on every rank)."""
         if report and self.size > 1:
             if self.coordinator is not None:
-                self._broadcast(("fatal", type(error).__name__, str(error)))
+                self._broadcast(Fatal.of(error))
             else:
-                self._send(0, ("abort", type(error).__name__, str(error)))
+                self._send(0, Abort.of(error))
                 error = self._await_verdict(error)
         self._fatal = error
         log.error("ringflow: %s", error)
@@ -427,12 +421,12 @@ class Engine:
                 item = self._inbox.get(timeout=left)
             except queue.Empty:
                 break
-            if item[0] == "ctrl" and item[2][0] == "fatal":
-                verdict = getattr(errors, item[2][1])(item[2][2])
+            if item[0] is Wake.MESSAGE and isinstance(item[2], Fatal):
+                verdict = item[2].exception()
                 break
-            if item[0] in ("enqueue", "stop"):
+            if item[0] in (Wake.ENQUEUE, Wake.STOP):
                 keep.append(item)
-                if item[0] == "stop":
+                if item[0] is Wake.STOP:
                     break
         for item in keep:
             self._inbox.put(item)
@@ -454,48 +448,43 @@ class Engine:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if item[0] == "enqueue":
+                if item[0] is Wake.ENQUEUE:
                     self._queued.discard(item[1].request.key)
                     self._done(item[1].handle, error=_clone(error))
                 else:
-                    keep.append(item)  # a "stop" must still stop the thread
+                    keep.append(item)  # a STOP must still stop the thread
             for item in keep:
                 self._inbox.put(item)
 
     # messaging ---------------------------------------------------------------------------------
-    def _send(self, dst: int, msg: tuple) -> None:
+    def _send(self, dst: int, msg: Message) -> None:
         try:
-            self.transport.send_ctrl(pickle.dumps(msg, protocol=5), dst)
+            self.transport.send_ctrl(encode(msg), dst)
         except RingflowError as exc:
-            log.debug("rank %d: could not send %s to %d: %s", self.rank, msg[0], dst, exc)
+            log.debug("rank %d: could not send %s to %d: %s", self.rank, type(msg).__name__,
+                      dst, exc)
 
-    def _broadcast(self, msg: tuple) -> None:
+    def _broadcast(self, msg: Message) -> None:
         if self.size == 1:
             return
-        payload = pickle.dumps(msg, protocol=5)
+        payload = encode(msg)
         for dst in range(1, self.size):
             try:
                 self.transport.send_ctrl(payload, dst)
             except RingflowError as exc:
-                log.debug("rank 0: could not send %s to %d: %s", msg[0], dst, exc)
+                log.debug("rank 0: could not send %s to %d: %s", type(msg).__name__, dst, exc)
 
-    def heartbeat(self) -> None:
+    def _beat(self) -> None:
+        """The liveness thread: a heartbeat to the other side, a tick for the engine thread."""
         if self.coordinator is not None:
-            self._broadcast(("hb",))
+            self._broadcast(Heartbeat())
         else:
-            self._send(0, ("hb",))
+            self._send(0, Heartbeat())
+        self._inbox.put((Wake.TICK,))
 
     # plans -------------------------------------------------------------------------------------
     def _members(self, ps: int) -> list[int]:
         return self.process_sets.get(ps, [])
-
-    def _transport_for(self, ps: int) -> Any:
-        if ps == 0:
-            return self.transport
-        sub = self._subsets.get(ps)
-        if sub is None:
-            sub = self._subsets[ps] = Subset(self.transport, self.process_sets[ps])
-        return sub
 
     def _receive(self, plan: list[Response | CachedAllreduce]) -> None:
         """Take in a plan (every rank, in plan order): book-keeping now, execution in order."""
@@ -522,7 +511,7 @@ class Engine:
                 self.process_sets[resp.value] = list(resp.requests[0].shape)
             elif resp.op == "remove_process_set" and not resp.error:
                 self.process_sets.pop(resp.requests[0].root, None)
-                self._subsets.pop(resp.requests[0].root, None)
+                self.executor.forget(resp.requests[0].root)
             if not resp.error and resp.op != "join" and (
                 (members is None and resp.op != "remove_process_set")
                 or (members is not None and self.rank not in members)
@@ -530,14 +519,13 @@ class Engine:
                 continue  # not this rank's (it never submitted it)
             entries = [self._pending.get(r.key) for r in resp.requests]
             data_plane = resp.op in _DATA_OPS and not resp.error and result is None
-            transport = self._transport_for(resp.process_set) if data_plane else None
             if data_plane or self._ready:
-                self._ready.append((resp, entries, transport, result))
+                self._ready.append((resp, entries, data_plane, result))
                 queued = True
             else:
                 self._complete(resp, entries, None, result)
         if queued:
-            self._inbox.put(("run",))
+            self._inbox.put((Wake.RUN,))
 
     def _run_ready(self) -> None:
         """The engine thread: execute queued plan items in order, the data plane unlocked."""
@@ -545,12 +533,12 @@ class Engine:
             with self._control():
                 if not self._ready:
                     return
-                resp, entries, transport, result = self._ready[0]
-                if transport is not None and self._timeline is not None:
+                resp, entries, data_plane, result = self._ready[0]
+                if data_plane and self._timeline is not None:
                     for r, e in zip(resp.requests, entries, strict=True):
                         if e is not None:
                             self._timeline.begin(r.name, r.op.upper(), fused=len(entries))
-            results = self._collective(resp, entries, transport) if transport else None
+            results = self.executor.run(resp, entries) if data_plane else None
             with self._control():
                 if self._closed:
                     return
@@ -568,13 +556,12 @@ class Engine:
                 self._done(entry.handle, resp.value)
             return
         if resp.error:
-            cls = getattr(errors, resp.error_type, errors.RingflowError)
             for entry in entries:
                 if entry is not None:
-                    self._done(entry.handle, error=cls(resp.error))
+                    self._done(entry.handle, error=from_wire(resp.error_type, resp.error))
             return
         if result is not None:
-            results = _unpack(result, resp.requests, entries)
+            results = unpack(result, resp.requests, entries)
             self.stats["eager"] += 1
         elif results is None:  # ops without data: barrier, process-set changes
             value = resp.value if resp.op in ("add_process_set", "remove_process_set") else None
@@ -590,179 +577,6 @@ class Engine:
                     tl.end(r.name, r.op.upper())
                 self._done(entry.handle, value)
 
-    # execution (engine thread, no lock) -------------------------------------------------------
-    def _collective(self, item: Response, entries: list[Entry | None], t: Any) -> list[Any]:
-        op = item.op
-        if op == "allreduce":
-            return self._allreduce(t, item, entries)
-        if op == "allgather":
-            return self._allgather(t, item, entries)
-        (entry,) = entries
-        req = item.requests[0]
-        if op == "broadcast":
-            if entry is None:  # a joined rank relays the root's data (the root has not joined)
-                out = np.empty(req.shape, DTYPES[req.dtype])
-            else:
-                out = _output(entry, req)
-                if out is not entry.array:
-                    np.copyto(out, entry.array)
-            # root_rank is global; the transport of a process set counts ranks within the set
-            root = self.process_sets[item.process_set].index(req.root)
-            algorithms.broadcast(t, out.reshape(-1), root)
-            return [out]
-        if op == "alltoall":
-            # Splits differ by rank: each rank sends by its own request, not the reference one.
-            return [algorithms.alltoall(t, entry.array, list(entry.request.splits))]
-        if op == "reducescatter":
-            buf, wire = entry.array, req.wire_dtype  # casting to the wire dtype compresses
-            if req.prescale != 1.0:
-                buf = _scaled(buf, req.prescale, wire)
-            elif buf.dtype != wire:
-                buf = buf.astype(wire)
-            out = algorithms.reducescatter(t, buf, ReduceOp(req.reduce_op), req.postscale)
-            return [out.astype(entry.array.dtype, copy=False)]
-        raise AssertionError(f"no data-plane execution for {op}")
-
-    def _allreduce(self, t: Any, item: Response, entries: list[Entry | None]) -> list[Any]:
-        refs = item.requests
-        ref = refs[0]
-        wire = ref.wire_dtype
-        reduce_op = ReduceOp(ref.reduce_op)
-        sizes = [math.prod(r.shape) for r in refs]
-        total = sum(sizes)
-        adasum = reduce_op == ReduceOp.ADASUM  # its own algorithm: always through a buffer
-        # The ranks of one host reduce in shared memory (transport/shm.py), at every size.
-        shm = None if adasum else getattr(t, "shm", None)
-        e0 = entries[0]
-        if (len(refs) == 1 and not adasum and e0 is not None and e0.array is not None
-                and e0.array.dtype == wire):
-            out = _output(e0, ref)
-            if shm is not None:
-                src = e0.array.reshape(-1)
-                if ref.prescale != 1.0:
-                    src = shm.input_view(total, wire)
-                    scale_into(e0.array.reshape(-1), ref.prescale, src)
-                shm.allreduce(src, out.reshape(-1), reduce_op, ref.postscale)
-                return [out]
-            if ref.prescale != 1.0:
-                scale_into(e0.array, ref.prescale, out)
-            elif out is not e0.array:
-                np.copyto(out, e0.array)
-            _allreduce_on(t, out.reshape(-1), reduce_op, ref.postscale)
-            return [out]
-        buf = shm.input_view(total, wire) if shm else self._fusion_buffer(wire, total)
-        offset = 0
-        for entry, n in zip(entries, sizes, strict=True):
-            view = buf[offset:offset + n]
-            if entry is None or entry.array is None:
-                view.fill(0)
-            elif ref.prescale != 1.0:
-                scale_into(entry.array.reshape(-1), ref.prescale, view)
-            else:
-                np.copyto(view, entry.array.reshape(-1), casting="unsafe")
-            offset += n
-        if adasum:
-            algorithms.adasum(t, buf, sizes)
-            if ref.postscale != 1.0:
-                scale_into(buf, ref.postscale, buf)
-        elif shm is not None:
-            shm.allreduce(buf, buf, reduce_op, ref.postscale)
-        else:
-            _allreduce_on(t, buf, reduce_op, ref.postscale)
-        return _unpack(buf, refs, entries)
-
-    def _allgather(self, t: Any, item: Response, entries: list[Entry | None]) -> list[Any]:
-        refs = item.requests
-        me = t.rank
-        if len(refs) == 1 and entries[0] is not None:
-            return [algorithms.allgather(t, entries[0].array, list(item.first_dims[0]))]
-        row_bytes = [math.prod(r.shape[1:]) * DTYPES[r.dtype].itemsize
-                     for r in refs]
-        counts = [sum(d[m] * rb for d, rb in zip(item.first_dims, row_bytes, strict=True))
-                  for m in range(t.size)]
-        send = self._fusion_buffer(np.dtype(np.uint8), counts[me])
-        offset = 0
-        for entry, dims, rb in zip(entries, item.first_dims, row_bytes, strict=True):
-            n = dims[me] * rb
-            if entry is not None and n:
-                send[offset:offset + n] = entry.array.reshape(-1).view(np.uint8)
-            offset += n
-        gathered = algorithms.allgather(t, send[:counts[me]].copy(), counts)
-        outs = [np.empty((sum(d), *r.shape[1:]), DTYPES[r.dtype])
-                for d, r in zip(item.first_dims, refs, strict=True)]
-        flat = [o.reshape(-1).view(np.uint8) for o in outs]
-        cursor = [0] * len(outs)
-        offset = 0
-        for m in range(t.size):
-            for i, (dims, rb) in enumerate(zip(item.first_dims, row_bytes, strict=True)):
-                n = dims[m] * rb
-                flat[i][cursor[i]:cursor[i] + n] = gathered[offset:offset + n]
-                cursor[i] += n
-                offset += n
-        return [o if e is not None else None for o, e in zip(outs, entries, strict=True)]
-
-    def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
-        """A reused buffer of at least ``n`` elements of ``dtype`` (grown, never shrunk)."""
-        buf = self._fusion.get(dtype.str)
-        if buf is None or buf.size < n:
-            buf = self._fusion[dtype.str] = np.empty(max(n, 1), dtype)
-        return buf[:n]
-
-
-def _allreduce_on(t: Any, buf: np.ndarray, op: ReduceOp, postscale: float) -> None:
-    """The transport's own allreduce where it has one (mpi: MPI_Iallreduce), else the ring.
-
-    Only the global process set's transport can have one: a Subset never does.
-    """
-    native = getattr(t, "allreduce", None)
-    if native is not None:
-        native(buf, op, postscale)
-    else:
-        algorithms.allreduce(t, buf, op, postscale)
-
-
-def _output(entry: Entry, req: Request) -> np.ndarray:
-    if entry.out is not None:
-        return entry.out
-    return np.empty(req.shape, entry.array.dtype if entry.array is not None else DTYPES[req.dtype])
-
-
-def _scaled(array: np.ndarray, factor: float, dtype: np.dtype) -> np.ndarray:
-    out = np.empty(array.shape, dtype)
-    scale_into(array, factor, out)
-    return out
-
-
-def _eager_input(entry: Entry) -> np.ndarray | None:
-    """What this rank sends with a cache bit so that rank 0 can reduce the tensor itself: the
-    prescaled tensor in its wire dtype, for allreduces of at most ``EAGER_BYTES``."""
-    req, arr = entry.request, entry.array
-    if (req.op != "allreduce" or arr is None or req.nbytes > EAGER_BYTES
-            or req.reduce_op == ReduceOp.ADASUM):
-        return None
-    flat = arr.reshape(-1)
-    wire = req.wire_dtype
-    if req.prescale != 1.0:
-        return _scaled(flat, req.prescale, wire)
-    # No copy: a worker pickles it at once, and rank 0 reduces it before the handle can finish.
-    return flat if flat.dtype == wire else flat.astype(wire)
-
-
-def _unpack(result: np.ndarray, refs: tuple[Request, ...], entries: list[Entry | None]) -> list:
-    """Each entry's output from the fused ``result`` (casting decompresses)."""
-    outs: list[Any] = []
-    offset = 0
-    for r, entry in zip(refs, entries, strict=True):
-        n = math.prod(r.shape)
-        if entry is None:
-            outs.append(None)
-        else:
-            out = _output(entry, r)
-            np.copyto(out, result[offset:offset + n].reshape(r.shape), casting="unsafe")
-            outs.append(out)
-        offset += n
-    return outs
-
 
 def _clone(error: BaseException) -> BaseException:
     """A fresh exception of the same class and text, so tracebacks do not pile up across waits."""
@@ -776,13 +590,3 @@ def _call(ref: weakref.ReferenceType, method: str, *args: Any) -> None:
     engine = ref()
     if engine is not None:
         getattr(engine, method)(*args)
-
-
-def _heartbeat(ref: weakref.ReferenceType, stop: threading.Event, interval: float) -> None:
-    while not stop.wait(interval):
-        engine = ref()
-        if engine is None:
-            return
-        engine.heartbeat()
-        engine._inbox.put(("tick",))
-        del engine

@@ -14,6 +14,7 @@ fails, so ``except hvd.HorovodInternalError`` (Horovod's elastic-training idiom)
 from __future__ import annotations
 
 __all__ = [
+    "TRAVELLING",
     "AdasumError",
     "AuthenticationError",
     "ConfigError",
@@ -30,6 +31,7 @@ __all__ = [
     "ShutdownError",
     "StallError",
     "TensorError",
+    "from_wire",
 ]
 
 
@@ -105,3 +107,21 @@ class RankFailure(RingflowError, RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(f"rank {rank}: {message}")
         self.rank = rank
+
+
+#: Every error that travels between ranks, by class name: the closed table a received name is
+#: looked up in (never ``getattr`` on this module). Add a class here to let it travel.
+TRAVELLING: dict[str, type[RingflowError]] = {cls.__name__: cls for cls in (
+    AdasumError, AuthenticationError, ConfigError, HorovodInternalError, MismatchError,
+    PeerError, ProtocolError, RingflowError, RingflowTimeoutError, ShutdownError, StallError,
+    TensorError,
+)}
+
+
+def from_wire(name: str, text: str) -> RingflowError:
+    """The error a peer sent as (class name, text); an unknown name becomes a ShutdownError
+    naming it, so a newer peer's class can never become something else silently."""
+    cls = TRAVELLING.get(name)
+    if cls is None:
+        return ShutdownError(f"{name}: {text}")
+    return cls(text)

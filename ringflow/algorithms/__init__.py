@@ -1,4 +1,4 @@
-"""Collectives written once over any :class:`~ringflow.transport.Transport`, on numpy arrays.
+"""Collectives written once over any :class:`~ringflow.transport.Link`, on numpy arrays.
 
 - :mod:`.ring`: :func:`allreduce` (ring reduce-scatter + allgather, pipelined, bitwise identical
   on every rank) and :func:`reducescatter`.

@@ -1,4 +1,4 @@
-"""Adasum: adaptive summation of gradients, over any :class:`~ringflow.transport.Transport`.
+"""Adasum: adaptive summation of gradients, over any :class:`~ringflow.transport.Link`.
 
 Adasum is from Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021
 (arXiv:2006.02924). Two gradients ``a`` and ``b`` combine as
@@ -43,7 +43,7 @@ import numpy as np
 
 from ..errors import TensorError
 from ..ops import is_float16ish
-from ..transport import Transport
+from ..transport.base import Link
 from .buffers import as_bytes, chunk_elems, chunk_ranges
 
 __all__ = ["adasum"]
@@ -51,7 +51,7 @@ __all__ = ["adasum"]
 _TINY = math.sqrt(sys.float_info.min)
 
 
-def adasum(t: Transport, buf: np.ndarray, counts: Sequence[int]) -> None:
+def adasum(t: Link, buf: np.ndarray, counts: Sequence[int]) -> None:
     """Replace the 1-d float buffer ``buf`` -- the tensors of ``counts`` elements, concatenated --
     by the Adasum of every rank's buffer, in place.
 
@@ -87,7 +87,7 @@ def adasum(t: Transport, buf: np.ndarray, counts: Sequence[int]) -> None:
         lo, hi = min(lo, glo), max(hi, ghi)
 
 
-def _exchange(t: Transport, send: np.ndarray, recv: np.ndarray, peer: int) -> None:
+def _exchange(t: Link, send: np.ndarray, recv: np.ndarray, peer: int) -> None:
     """Send ``send`` to ``peer`` while receiving ``recv`` from it; empty sides are skipped
     (both sides know every size, and no transport message is ever empty)."""
     work = [t.irecv(as_bytes(recv), peer)] if recv.size else []
@@ -116,7 +116,7 @@ def _dots(a: np.ndarray, b: np.ndarray, spans: list[tuple[int, int]]) -> np.ndar
     return out.reshape(-1)
 
 
-def _group_sum(t: Transport, values: np.ndarray, level: int) -> np.ndarray:
+def _group_sum(t: Link, values: np.ndarray, level: int) -> np.ndarray:
     """The sum of ``values`` over the ``2 * level`` ranks that agree with this one on the bits
     above ``level`` (recursive doubling; two operands add the same either way round, so every
     rank of the group ends with the same bits)."""

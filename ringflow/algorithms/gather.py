@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import TensorError
 from ..ops import check_dtype
-from ..transport import Transport
+from ..transport.base import Link
 from . import buffers
 from .buffers import as_bytes, chunk_ranges
 from .ring import allgather_ring
@@ -64,7 +64,7 @@ def _counts(values: Sequence[int], n: int, what: str) -> list[int]:
     return counts
 
 
-def allgather(t: Transport, buf: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+def allgather(t: Link, buf: np.ndarray, counts: Sequence[int]) -> np.ndarray:
     """Concatenate every rank's ``buf`` along the first dimension, in rank order.
 
     ``counts[q]`` is the first-dimension length of rank ``q``'s array; ``counts[t.rank]`` must be
@@ -94,7 +94,7 @@ def allgather(t: Transport, buf: np.ndarray, counts: Sequence[int]) -> np.ndarra
     return out
 
 
-def broadcast(t: Transport, buf: np.ndarray, root: int) -> None:
+def broadcast(t: Link, buf: np.ndarray, root: int) -> None:
     """Copy ``root``'s ``buf`` into ``buf`` on every rank, in place (pipelined chain)."""
     n, r = t.size, t.rank
     if not 0 <= root < n:
@@ -126,7 +126,7 @@ def broadcast(t: Transport, buf: np.ndarray, root: int) -> None:
 
 
 def alltoall(
-    t: Transport, buf: np.ndarray, splits: Sequence[int]
+    t: Link, buf: np.ndarray, splits: Sequence[int]
 ) -> tuple[np.ndarray, list[int]]:
     """Send ``splits[d]`` consecutive rows of ``buf`` to rank ``d``; return what arrived.
 
@@ -177,7 +177,7 @@ def alltoall(
     return out, received
 
 
-def barrier(t: Transport) -> None:
+def barrier(t: Link) -> None:
     """Return on each rank only after every rank has entered (dissemination barrier)."""
     n, r = t.size, t.rank
     token = np.zeros(1, dtype=np.uint8)

@@ -1,4 +1,4 @@
-"""Ring allreduce and ring reduce-scatter over any :class:`~ringflow.transport.Transport`.
+"""Ring allreduce and ring reduce-scatter over any :class:`~ringflow.transport.Link`.
 
 Notation: ``n`` ranks, this rank ``r``, ``next = (r+1) % n``, ``prev = (r-1) % n``. The buffer is
 cut into ``n`` segments (:func:`~ringflow.algorithms.buffers.even_split`: as even as possible,
@@ -53,98 +53,17 @@ import math
 import numpy as np
 
 from ..errors import TensorError
-from ..ops import ReduceOp, check_dtype, is_float16ish, ufunc
-from ..transport import Transport
+from ..ops import ReduceOp
+from ..transport.base import Link
 from . import buffers
 from .buffers import as_bytes, chunk_ranges, even_split
+from .reduction import Reduction, inplace_flat, scale_only
 
 __all__ = ["allreduce", "reducescatter"]
 
 
-class _Reduction:
-    """How one (dtype, op, postscale, n) combines contributions and scales the result."""
-
-    def __init__(self, dtype: np.dtype, op: ReduceOp, postscale: float, size: int, what: str):
-        self.dtype = check_dtype(dtype, what)
-        self.ufunc = ufunc(op)  # raises TensorError for ADASUM
-        postscale = float(postscale)
-        if self.dtype == np.bool_ and (op == ReduceOp.AVERAGE or postscale != 1.0):
-            raise TensorError(
-                f"{what} has dtype bool, which cannot be averaged or scaled "
-                f"(op={ReduceOp(op).name}, postscale={postscale}); use Sum (logical or), Min, Max "
-                f"or Product (logical and), or cast to a numeric dtype"
-            )
-        self.half = is_float16ish(self.dtype)
-        # 16-bit sums are accumulated in float32 with every contribution pre-scaled by a power of
-        # two, so that no partial sum can overflow; see the module docstring.
-        self.wide = self.half and op in (ReduceOp.SUM, ReduceOp.AVERAGE)
-        self.prescale = 2.0 ** -math.ceil(math.log2(size)) if self.wide else 1.0
-        factor = postscale / size if op == ReduceOp.AVERAGE else postscale
-        self.factor = factor / self.prescale  # exact: prescale is a power of two
-        if self.half:
-            self.scratch_dtype: np.dtype | None = np.dtype(np.float32)
-        elif self.dtype.kind in "iu" and self.factor != 1.0:
-            self.scratch_dtype = np.dtype(np.float64)
-        else:
-            self.scratch_dtype = None
-
-    def scratch(self, length: int) -> np.ndarray | None:
-        if self.scratch_dtype is None:
-            return None
-        return np.empty(length, self.scratch_dtype)
-
-    def prescale_inplace(self, flat: np.ndarray) -> None:
-        if self.prescale != 1.0:
-            np.multiply(flat, self.prescale, out=flat)
-
-    def combine(self, acc: np.ndarray, got: np.ndarray, scratch: np.ndarray | None) -> None:
-        """``acc = acc (op) got`` on a chunk that travels on."""
-        if self.wide:
-            tmp = scratch[: acc.size]
-            np.add(acc, got, out=tmp, dtype=np.float32)
-            np.copyto(acc, tmp, casting="unsafe")
-        else:
-            self.ufunc(acc, got, out=acc)
-
-    def finish(self, acc: np.ndarray, got: np.ndarray | None, scratch: np.ndarray | None) -> None:
-        """The owner's last combine (none if ``got`` is None), then the scale."""
-        if self.wide and got is not None:
-            # Keep the last sum in float32 so that it is rounded to 16 bits only once.
-            tmp = scratch[: acc.size]
-            np.add(acc, got, out=tmp, dtype=np.float32)
-            if self.factor != 1.0:
-                np.multiply(tmp, self.factor, out=tmp)
-            np.copyto(acc, tmp, casting="unsafe")
-            return
-        if got is not None:
-            self.ufunc(acc, got, out=acc)
-        if self.factor == 1.0:
-            return
-        if self.half:
-            tmp = scratch[: acc.size]
-            np.multiply(acc, self.factor, out=tmp, dtype=np.float32)
-            np.copyto(acc, tmp, casting="unsafe")
-        elif self.dtype.kind in "iu":
-            tmp = scratch[: acc.size]
-            np.multiply(acc, self.factor, out=tmp, dtype=np.float64)
-            np.trunc(tmp, out=tmp)  # toward zero, like C's static_cast
-            np.copyto(acc, tmp, casting="unsafe")
-        else:
-            np.multiply(acc, self.factor, out=acc)
-
-
-def _scale_only(flat: np.ndarray, red: _Reduction) -> None:
-    """One rank: nothing to combine, apply the scale chunk by chunk (bounded scratch)."""
-    if red.factor == 1.0:
-        return
-    per = buffers.chunk_elems(flat.itemsize)
-    scratch = red.scratch(min(per, flat.size))
-    for lo, hi in chunk_ranges(0, flat.size, per):
-        red.finish(flat[lo:hi], None, scratch)
-
-
 def reduce_scatter_ring(
-    t: Transport, flat: np.ndarray, bounds: list[tuple[int, int]], red: _Reduction
+    t: Link, flat: np.ndarray, bounds: list[tuple[int, int]], red: Reduction
 ) -> None:
     """Reduce-scatter of ``flat`` in place: afterwards ``flat[bounds[t.rank]]`` is reduced.
 
@@ -180,7 +99,7 @@ def reduce_scatter_ring(
         work.wait()
 
 
-def allgather_ring(t: Transport, flat: np.ndarray, bounds: list[tuple[int, int]]) -> None:
+def allgather_ring(t: Link, flat: np.ndarray, bounds: list[tuple[int, int]]) -> None:
     """Ring allgather in place: on entry ``flat[bounds[t.rank]]`` is this rank's block; on return
     every block is filled. All sends have completed on return."""
     n, r = t.size, t.rank
@@ -200,19 +119,7 @@ def allgather_ring(t: Transport, flat: np.ndarray, bounds: list[tuple[int, int]]
         work.wait()
 
 
-def _inplace_flat(buf: np.ndarray, what: str) -> np.ndarray:
-    if not isinstance(buf, np.ndarray):
-        raise TensorError(f"{what} needs a numpy array, got {type(buf).__name__}")
-    if not (buf.flags.c_contiguous and buf.flags.writeable):
-        raise TensorError(
-            f"{what} works in place and needs a writable C-contiguous array, got shape "
-            f"{buf.shape} (contiguous={buf.flags.c_contiguous}, writeable={buf.flags.writeable}); "
-            f"pass np.ascontiguousarray(tensor) and copy the result back"
-        )
-    return buf.reshape(-1)
-
-
-def allreduce(t: Transport, buf: np.ndarray, op: ReduceOp, postscale: float = 1.0) -> None:
+def allreduce(t: Link, buf: np.ndarray, op: ReduceOp, postscale: float = 1.0) -> None:
     """Reduce ``buf`` over all ranks in place (ring; see the module docstring).
 
     ``buf`` is a writable C-contiguous array (any shape; treated as 1-D) of the same dtype and
@@ -220,12 +127,12 @@ def allreduce(t: Transport, buf: np.ndarray, op: ReduceOp, postscale: float = 1.
     PeerError, RingflowTimeoutError or ProtocolError from the transport, after which the contents
     of ``buf`` are unspecified.
     """
-    flat = _inplace_flat(buf, "allreduce buffer")
-    red = _Reduction(flat.dtype, op, postscale, t.size, "allreduce buffer")
+    flat = inplace_flat(buf, "allreduce buffer")
+    red = Reduction(flat.dtype, op, postscale, t.size, "allreduce buffer")
     if flat.size == 0:
         return
     if t.size == 1:
-        _scale_only(flat, red)
+        scale_only(flat, red)
         return
     bounds = even_split(flat.size, t.size)
     red.prescale_inplace(flat)
@@ -234,7 +141,7 @@ def allreduce(t: Transport, buf: np.ndarray, op: ReduceOp, postscale: float = 1.
 
 
 def reducescatter(
-    t: Transport, buf: np.ndarray, op: ReduceOp, postscale: float = 1.0
+    t: Link, buf: np.ndarray, op: ReduceOp, postscale: float = 1.0
 ) -> np.ndarray:
     """Reduce ``buf`` over all ranks and return this rank's rows of the result.
 
@@ -248,14 +155,14 @@ def reducescatter(
             f"reducescatter splits its tensor along the first dimension and needs an array with "
             f"at least one dimension, got {getattr(buf, 'shape', type(buf).__name__)}"
         )
-    red = _Reduction(buf.dtype, op, postscale, t.size, "reducescatter tensor")
+    red = Reduction(buf.dtype, op, postscale, t.size, "reducescatter tensor")
     n, r = t.size, t.rank
     rest = buf.shape[1:]
     row = math.prod(rest)
     rows = even_split(buf.shape[0], n)
     flat = np.array(buf, copy=True, order="C").reshape(-1)  # the caller's buffer stays intact
     if n == 1:
-        _scale_only(flat, red)
+        scale_only(flat, red)
         return flat.reshape(buf.shape)
     bounds = [(lo * row, hi * row) for lo, hi in rows]
     if flat.size:

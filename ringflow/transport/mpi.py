@@ -34,14 +34,15 @@ busy-spin a core per thread inside Open MPI (bad for oversubscribed hosts), and 
 polling gives every wait the ``timeout_s`` deadline of the other transports (RingflowTimeoutError
 naming the peer), so a frozen peer is reported instead of hanging the engine thread.
 
-Native allreduce: :meth:`MpiTransport.allreduce` is ``MPI_Iallreduce`` (in place, on the whole
-fused buffer) for bool and the 8..64-bit integer and 32/64-bit float dtypes with SUM, AVERAGE,
-MIN, MAX and PRODUCT; the engine prefers it for the global process set (process sets use the ring
-over this transport's point-to-point messages). Scaling (AVERAGE's ``1/n``, ``postscale``) is
-applied afterwards on each rank by the same code as the ring's owner step
-(:mod:`ringflow.algorithms.ring`): an identical function of identical bits, so it keeps ranks
-identical. float16 / bfloat16 (which MPI has no type for) use the ring, which keeps its overflow
-guard. MPI does not promise that ``MPI_Allreduce`` gives bitwise identical results on every rank;
+Native allreduce (:class:`~ringflow.transport.base.NativeAllreduce`):
+:meth:`MpiTransport.native_allreduce` is ``MPI_Iallreduce`` (in place, on the whole fused
+buffer, unscaled) for bool and the 8..64-bit integer and 32/64-bit float dtypes with SUM,
+AVERAGE, MIN, MAX and PRODUCT; the executor prefers it for the global process set (process sets
+use the ring over this transport's point-to-point messages) and scales the result afterwards on
+each rank with the ring's own code (:class:`~ringflow.algorithms.reduction.Reduction`): an
+identical function of identical bits keeps ranks identical. float16 / bfloat16 (which MPI has no
+type for) use the ring, which keeps its overflow guard. MPI does not promise that
+``MPI_Allreduce`` gives bitwise identical results on every rank;
 ``tests/mpi/test_mpi_transport.py`` checks that it does for Open MPI 5 at 2 and 3 ranks on the
 suite's buffers.
 
@@ -66,7 +67,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,7 @@ from ..errors import (
     ShutdownError,
 )
 from ..ops import ReduceOp
+from .base import MAX_CTRL_BYTES, NativeAllreduce
 
 __all__ = [
     "CTRL_TAG",
@@ -96,7 +98,6 @@ log = logging.getLogger(__name__)
 
 #: Tags on ringflow's private duplicate of the communicator: data and control never mix.
 DATA_TAG, CTRL_TAG = 1, 2
-MAX_CTRL_BYTES = 64 * 1024 * 1024
 #: Longest sleep between two polls. 0.5 ms keeps a control round trip (submit, plan) within the
 #: engine's 1 ms cycle while an idle rank wakes 2000 times a second (~1% of a core).
 POLL_MAX_S = 5e-4
@@ -278,7 +279,7 @@ class _Work:
             self._req.Free()
 
 
-class MpiTransport:
+class MpiTransport(NativeAllreduce):
     """The ``mpi`` transport over a private duplicate of a communicator (see the module doc)."""
 
     def __init__(self, comm: Any, timeout: float) -> None:
@@ -313,29 +314,22 @@ class MpiTransport:
         req = self.comm.Irecv([view, self.mpi.BYTE], src, DATA_TAG)
         return _Work(self, req, src, view.nbytes, f"receiving from rank {src}")
 
-    def allreduce(self, buf: np.ndarray, op: ReduceOp, postscale: float = 1.0) -> None:
-        """Reduce ``buf`` over all ranks in place, with the semantics of
-        :func:`ringflow.algorithms.allreduce` (scaling, integer truncation, bool ops).
+    def native_supported(self, dtype: np.dtype, op: ReduceOp) -> bool:
+        table = _BOOL_OPS if dtype == np.bool_ else _NATIVE_OPS
+        return dtype.name in _NATIVE_TYPES and op in table
 
-        ``MPI_Iallreduce`` where MPI has the dtype and op (see the module doc); the ring over this
-        transport otherwise. Raises what the ring raises, and ProtocolError for an MPI error.
-        """
-        from ..algorithms import ring
-
-        flat = ring._inplace_flat(buf, "allreduce buffer")
-        op = ReduceOp(op)
-        red = ring._Reduction(flat.dtype, op, postscale, self.size, "allreduce buffer")
-        table = _BOOL_OPS if flat.dtype == np.bool_ else _NATIVE_OPS
-        mtype = _NATIVE_TYPES.get(flat.dtype.name)
-        if mtype is None or op not in table or self.size == 1 or flat.size == 0:
-            ring.allreduce(self, buf, op, postscale)
+    def native_allreduce(self, flat: np.ndarray, op: ReduceOp) -> None:
+        """``MPI_Iallreduce`` of the 1-D ``flat`` in place, unscaled (AVERAGE is summed); the
+        caller scales (:class:`~ringflow.algorithms.reduction.Reduction`). Raises ProtocolError
+        for an MPI error, RingflowTimeoutError past ``timeout_s``."""
+        if self.size == 1 or flat.size == 0:
             return
         self._usable(None)
+        table = _BOOL_OPS if flat.dtype == np.bool_ else _NATIVE_OPS
         mpi = self.mpi
-        req = self.comm.Iallreduce(mpi.IN_PLACE, [flat, getattr(mpi, mtype)],
-                                   getattr(mpi, table[op]))
+        mtype = getattr(mpi, _NATIVE_TYPES[flat.dtype.name])
+        req = self.comm.Iallreduce(mpi.IN_PLACE, [flat, mtype], getattr(mpi, table[ReduceOp(op)]))
         _Work(self, req, None, None, f"MPI allreduce of {flat.size} {flat.dtype}").wait()
-        ring._scale_only(flat, red)
 
     # control plane -----------------------------------------------------------------------------
     def send_ctrl(self, payload: bytes, dst: int) -> None:
@@ -372,11 +366,13 @@ class MpiTransport:
         for rank, error in gone.items():
             on_failure(rank, error)
 
-    def check_peers(self) -> None:
-        """Raise the error of the first peer that has gone, if any (cheap; no I/O)."""
+    def check_peers(self, ranks: Iterable[int] | None = None) -> None:
+        """Raise the error of the first of ``ranks`` (default: any peer) that has gone, if any
+        (cheap; no I/O). A failure of MPI itself (rank -1) counts for every rank."""
         with self._lock:
-            for error in self._gone.values():
-                raise error
+            for rank, error in self._gone.items():
+                if ranks is None or rank == -1 or rank in ranks:
+                    raise error
 
     def _recv_loop(self) -> None:
         mpi = self.mpi

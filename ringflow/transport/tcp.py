@@ -41,12 +41,12 @@ from ..errors import (
     RingflowTimeoutError,
     ShutdownError,
 )
+from .base import MAX_CTRL_BYTES, Transport
 
-__all__ = ["MAX_CTRL_BYTES", "TcpTransport", "create"]
+__all__ = ["TcpTransport", "create"]
 
 log = logging.getLogger(__name__)
 
-MAX_CTRL_BYTES = 64 * 1024 * 1024
 _HDR = struct.Struct("!BQ")
 _DATA, _CTRL = 1, 2
 _RANK = struct.Struct("!Q")
@@ -271,7 +271,7 @@ class _Peer:
         self.sock.close()
 
 
-class TcpTransport:
+class TcpTransport(Transport):
     """The ``tcp`` transport. See the module docstring for the protocol."""
 
     def __init__(

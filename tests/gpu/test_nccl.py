@@ -1,4 +1,4 @@
-"""ringflow.transport.nccl: pure helpers anywhere; GPU collectives where cupy and a GPU are.
+"""ringflow.algorithms.nccl: pure helpers anywhere; GPU collectives where cupy and a GPU are.
 
 The GPU half is UNVERIFIED: it was written without a GPU, and these tests have only ever been
 seen to skip. Single-rank jobs only (NCCL refuses two ranks on one device).
@@ -15,7 +15,7 @@ import pytest
 
 from ringflow.ops import ReduceOp
 from ringflow.rendezvous import MemoryStore
-from ringflow.transport import nccl
+from ringflow.algorithms import nccl
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,7 +119,7 @@ def test_staging_through_pinned_host_memory(caplog: pytest.LogCaptureFixture) ->
     import cupy as cp
 
     x = cp.arange(10, dtype=cp.int16)
-    with caplog.at_level("WARNING", logger="ringflow.transport.nccl"):
+    with caplog.at_level("WARNING", logger="ringflow.algorithms.nccl"):
         host = nccl.stage_to_host(x, "int16 has no NCCL type")
     np.testing.assert_array_equal(host, np.arange(10, dtype=np.int16))
 

@@ -10,11 +10,12 @@ import threading
 import numpy as np
 import pytest
 
+from ringflow import backends
+from ringflow.algorithms import shm
 from ringflow.config import Config
 from ringflow.errors import PeerError, RingflowTimeoutError, ShutdownError
 from ringflow.ops import BFLOAT16, ReduceOp
 from ringflow.rendezvous import MemoryStore
-from ringflow.transport import shm
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -36,6 +37,12 @@ def mode(request, monkeypatch) -> str:
     return request.param
 
 
+def reduce(link: backends.Backends, x, out, op, postscale: float = 1.0) -> None:
+    """Through the job's first allreduce implementation: shared memory, or hierarchical when
+    there are several hosts (``local < n``)."""
+    link.allreduce[0].allreduce(link.transport, x, out, op, postscale)
+
+
 def _leftovers(links) -> list[str]:
     names = {link.shm._name for link in links if link is not None}
     return [f for f in os.listdir("/dev/shm") if f.split("_d")[0].split("_f")[0] in names]
@@ -49,8 +56,8 @@ def _ranks(n: int, local: int, fn, timeout: float = 10.0) -> list:
 
     def body(rank: int) -> None:
         try:
-            links[rank] = shm.create(rank, n, store, Config(timeout_s=timeout),
-                                     secret=b"k" * 32, local_size=local)
+            links[rank] = backends.shared_memory(rank, n, store, Config(timeout_s=timeout),
+                                                 local_size=local)
             results[rank] = fn(rank, links[rank])
         except BaseException as exc:  # re-raised below with the rank
             errors.append((rank, exc))
@@ -101,7 +108,7 @@ def test_allreduce_closed_form_and_bitwise_identical(n, local, dtype):
             for length in LENGTHS:
                 x = (np.arange(length) % 5 + rank + 1).astype(dtype)
                 out = np.empty_like(x)
-                link.shm.allreduce(x, out, op)
+                reduce(link, x, out, op)
                 got[(op, length)] = out
         return got
 
@@ -121,7 +128,7 @@ def test_allreduce_closed_form_and_bitwise_identical(n, local, dtype):
 def test_float16_average_does_not_overflow_and_in_place_works():
     def body(rank: int, link) -> np.ndarray:
         x = np.full(70_001, 40000.0, np.float16)
-        link.shm.allreduce(x, x, ReduceOp.AVERAGE)
+        reduce(link, x, x, ReduceOp.AVERAGE)
         return x
 
     for out in _ranks(4, 4, body):
@@ -132,7 +139,7 @@ def test_input_view_packing_and_postscale():
     def body(rank: int, link) -> np.ndarray:
         view = link.shm.input_view(10, np.dtype(np.float32))
         view[:] = rank + 1
-        link.shm.allreduce(view, view, ReduceOp.SUM, postscale=0.5)
+        reduce(link, view, view, ReduceOp.SUM, postscale=0.5)
         return view.copy()
 
     for out in _ranks(3, 3, body):
@@ -145,7 +152,7 @@ def test_segments_are_owner_only_and_unlinked_once_mapped(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     mapping.close()
     # _ranks asserts that no file of the job is left, here after a 4 MiB segment was grown.
-    _ranks(2, 2, lambda rank, link: link.shm.allreduce(np.ones(1 << 20, np.float32),
+    _ranks(2, 2, lambda rank, link: reduce(link, np.ones(1 << 20, np.float32),
                                                         np.empty(1 << 20, np.float32),
                                                         ReduceOp.SUM))
 
@@ -155,8 +162,8 @@ def test_a_rank_that_never_arrives_times_out_naming_it():
         if rank == 1:
             return None  # never enters the allreduce
         with pytest.raises(RingflowTimeoutError, match=r"local ranks \[1\] did not reach"):
-            link.shm.allreduce(np.ones(10, np.float32), np.empty(10, np.float32),
-                               ReduceOp.SUM)
+            reduce(link, np.ones(10, np.float32), np.empty(10, np.float32),
+                   ReduceOp.SUM)
         return "timed out"
 
     assert _ranks(2, 2, body, timeout=1.0)[0] == "timed out"
@@ -165,11 +172,11 @@ def test_a_rank_that_never_arrives_times_out_naming_it():
 def test_a_dead_peer_ends_the_barrier_wait():
     def body(rank: int, link):
         if rank == 1:
-            link.tcp.close(linger=0)  # what the others see when a process leaves
+            link.transport.close(linger=0)  # what the others see when a process leaves
             return None
         with pytest.raises((PeerError, ShutdownError), match="rank 1"):
-            link.shm.allreduce(np.ones(10, np.float32), np.empty(10, np.float32),
-                               ReduceOp.SUM)
+            reduce(link, np.ones(10, np.float32), np.empty(10, np.float32),
+                   ReduceOp.SUM)
         return "failed"
 
     assert _ranks(2, 2, body, timeout=20.0)[0] == "failed"
@@ -182,7 +189,7 @@ def test_a_rank_of_another_host_leaving_does_not_fail_a_local_barrier():
 
     def body(rank: int, link):
         if rank == 3:
-            link.tcp.close(linger=0)
+            link.transport.close(linger=0)
             return "left"
         if rank == 2:
             return "idle"
@@ -205,7 +212,7 @@ def test_a_rank_that_reached_the_barrier_and_left_does_not_fail_it():
         if rank == 0:
             link.shm._epoch += 1  # reach the barrier without waiting in it
             link.shm._words[0][shm._EPOCH] = link.shm._epoch
-            link.tcp.close(linger=0)
+            link.transport.close(linger=0)
             return "left"
         if rank == 2:
             time.sleep(1.0)  # rank 0's goodbye reaches rank 1 while it waits for this one
@@ -254,11 +261,11 @@ def test_a_peer_whose_memory_cannot_be_read_fails_the_allreduce(mode, monkeypatc
         if rank == 1:
             victim["thread"] = threading.current_thread()  # its reads fail with ESRCH
             with pytest.raises(PeerError, match="could not read local rank 0's memory"):
-                link.shm.allreduce(np.ones(10, np.float32), np.empty(10, np.float32),
-                                   ReduceOp.SUM)
+                reduce(link, np.ones(10, np.float32), np.empty(10, np.float32),
+                   ReduceOp.SUM)
             return "failed"
         with pytest.raises(RingflowTimeoutError, match=r"local ranks \[1\]"):
-            link.shm.allreduce(np.ones(10, np.float32), np.empty(10, np.float32), ReduceOp.SUM)
+            reduce(link, np.ones(10, np.float32), np.empty(10, np.float32), ReduceOp.SUM)
         return "timed out"
 
     assert _ranks(2, 2, body, timeout=1.0) == ["timed out", "failed"]

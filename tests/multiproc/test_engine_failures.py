@@ -42,7 +42,7 @@ def test_a_rank_that_shuts_down_early_is_named_to_the_others(tmp_path: Path) -> 
 @pytest.mark.parametrize("n", [2, 3])
 def test_dead_peer_during_a_collective_fails_it_with_one_text(tmp_path: Path, n: int) -> None:
     # On 2 CPUs, 2 ranks reduce by reading each other's memory and 3 through shared segments
-    # (transport/shm.py): a rank that vanishes mid-read must give the same error as a socket.
+    # (algorithms/shm.py): a rank that vanishes mid-read must give the same error as a socket.
     results = launch("peer_exit_midop", n, tmp_path)
     survivors = {r: results[r] for r in range(n - 1)}
     error = same_on_every_rank(survivors, "pending")

@@ -47,12 +47,25 @@ fails("badroot1", ValueError, "outside", lambda: hvd.broadcast(x, n, name="br1")
 for root in range(n):
     ok(f"bc{root}", hvd.broadcast(torch.full((3,), 10.0 * r), root, name=f"bc{root}"),
        np.full(3, 10.0 * root))
-h = hvd.allreduce_async(x, name="dup", op=hvd.Sum)
-g = hvd.grouped_allreduce_async([x, x], name="gdup", op=hvd.Sum)
-fails("dup1", ValueError, "in flight", lambda: hvd.allreduce_async(x, name="dup"))
-fails("dup2", ValueError, "in flight", lambda: hvd.grouped_allreduce_async([x, x], name="gdup"))
-ok("dup.first", hvd.synchronize(h), np.full(7, tri))
-ok("gdup.first", hvd.synchronize(g)[1], np.full(7, tri))
+# Each rank in turn submits dup{q} and then again while it is surely in flight: the others
+# submit theirs only after a barrier that follows the duplicate calls.
+firsts = {}
+for q in range(n):
+    if r != q:
+        hvd.barrier()
+    firsts[q] = (hvd.allreduce_async(x, name=f"dup{q}", op=hvd.Sum),
+                 hvd.grouped_allreduce_async([x, x], name=f"gdup{q}", op=hvd.Sum))
+    if r == q:
+        fails("dup1", ValueError, "in flight", lambda q=q: hvd.allreduce_async(x, name=f"dup{q}"))
+        fails("dup2", ValueError, "in flight",
+              lambda q=q: hvd.grouped_allreduce_async([x, x], name=f"gdup{q}"))
+        hvd.barrier()
+for q, (h, g) in firsts.items():
+    if q == r:
+        ok("dup.first", hvd.synchronize(h), np.full(7, tri))
+        ok("gdup.first", hvd.synchronize(g)[1], np.full(7, tri))
+    else:
+        assert hvd.synchronize(h).tolist() == [tri] * 7 and hvd.synchronize(g)[0][0] == tri
 rs = hvd.reducescatter(torch.ones(2 * n, 3) * (r + 1), op=hvd.Sum, name="rs")
 ok("rs", rs, np.full((2, 3), tri))
 fails("adasum.rs1", ValueError, "only supports AVERAGE and SUM",

@@ -115,7 +115,7 @@ def decode_unique_id(text: bytes) -> tuple[int, ...]:
 
 def row_splits(rows: int, size: int) -> list[tuple[int, int]]:
     """ringflow's split of ``rows`` over ``size`` ranks (lower ranks take the remainder)."""
-    from ..algorithms import even_split
+    from .buffers import even_split
 
     return even_split(rows, size)
 

@@ -1,4 +1,4 @@
-"""Shared-memory allreduce for the ranks of one host (and hierarchical allreduce across hosts).
+"""Shared-memory allreduce for the ranks of one host: :class:`ShmAllreduce`.
 
 Every local rank owns one flag line in ``/dev/shm`` and, on the copy path, one data segment,
 created with mode 0600 and **unlinked as soon as every rank has mapped them**, so nothing is left
@@ -47,16 +47,14 @@ in float32, scaled integers in float64; scaled once). No byte goes through a soc
 element is reduced by one rank in a fixed order that does not depend on where it sits in the
 buffer, results are bitwise identical on every rank, across fusion layouts, and between paths.
 
-Hierarchical (several hosts with ``L`` ranks each): the reduce step reduces share ``r`` of this
-host only (no scaling), then the ``L`` shares travel in parallel, each over its own TCP ring
-between the ranks of local rank ``r`` on every host, which also applies the scale; the result
-is in place before the next barrier. Each host thus sends ``2 (H-1)/H * B`` bytes across its link in
-total -- the host-level ring bound -- instead of the rank-level ``2 (N-1)/N * B`` per rank.
+Across hosts (:mod:`.hierarchical`): :meth:`ShmAllreduce.allreduce` takes an ``across`` step
+that runs on this rank's reduced share between the two barriers of either path, so a ring
+between hosts can finish the reduction in place before any rank copies it out.
 
 Barriers: each rank bumps its flag word to the operation's epoch and waits until every flag has
 reached it, polling (with ``sched_yield``) for up to 200 us, then sleeping progressively longer.
-Every few milliseconds the wait checks the TCP transport for a failed peer among the ranks not
-there yet (one that arrived may have finished and shut down since) and the deadline
+Every few milliseconds the wait checks the transport (``check_peers``) for a failed peer among
+the ranks not there yet (one that arrived may have finished and shut down since) and the deadline
 (``timeout_s``), so a dead or frozen rank ends the wait with the same errors as on the TCP path.
 Every size takes these paths: even at 4 KiB two flag barriers beat the TCP ring's socket exchanges
 and thread hand-offs (engine path, 2 / 4 ranks, two runs each: 0.50-0.85 / 1.3-1.6 ms against
@@ -78,13 +76,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import algorithms
-from ..algorithms.buffers import chunk_elems, chunk_ranges, even_split
-from ..algorithms.local import reduce_parts
-from ..errors import ConfigError, PeerError, RingflowTimeoutError
+from ..errors import PeerError, RingflowTimeoutError
 from ..ops import ReduceOp, check_dtype
+from .buffers import chunk_elems, chunk_ranges, even_split
+from .local import reduce_parts
 
-__all__ = ["ShmAllreduce", "ShmTransport", "create"]
+__all__ = ["ShmAllreduce", "available"]
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +162,6 @@ class ShmAllreduce:
         self.size = size
         self.timeout = timeout
         self._check_peers = check_peers
-        self.cross: Any = None  # a Transport over the same local rank of every host, if several
         self._store = store
         self._key = f"{prefix}shm/"
         if rank == 0:
@@ -294,33 +290,21 @@ class ShmAllreduce:
         base = self._half * self._capacity
         return self._segs[self.rank].array[base:base + n * dtype.itemsize].view(dtype)
 
-    def allreduce(self, src: np.ndarray, out: np.ndarray, op: ReduceOp,
-                  postscale: float = 1.0) -> None:
-        """``out = reduce(src over ranks)``; ``src`` and ``out`` are 1-D of one dtype and length."""
+    def allreduce(self, src: np.ndarray, out: np.ndarray, op: ReduceOp, postscale: float = 1.0,
+                  across: Callable[[np.ndarray], None] | None = None) -> None:
+        """``out = reduce(src over the local ranks)``; ``src`` and ``out`` are 1-D of one dtype
+        and length. ``across``, if given, finishes this rank's reduced share in place (another
+        host's ranks, :mod:`.hierarchical`) before any rank reads it."""
         check_dtype(src.dtype, "allreduce buffer")
         if src.size == 0:
             return
         if self.single_copy:
-            self._allreduce_direct(src, out, op, postscale)
+            self._allreduce_direct(src, out, op, postscale, across)
         else:
-            self._allreduce_copy(src, out, op, postscale)
-
-    def _local_op(self, op: ReduceOp, postscale: float) -> tuple[ReduceOp, float]:
-        """The op and scale of this host's reduction: the final ones on a single host; an
-        unscaled sum (or the op) when the ring across hosts follows and scales once."""
-        if self.cross is None:
-            return op, postscale
-        return (ReduceOp.SUM if op == ReduceOp.AVERAGE else op), 1.0
-
-    def _across_hosts(self, share: np.ndarray, op: ReduceOp, postscale: float) -> None:
-        """Allreduce this host's reduced ``share`` with the same share of every other host."""
-        local, _ = self._local_op(op, postscale)
-        total = self.size * self.cross.size
-        factor = postscale / total if op == ReduceOp.AVERAGE else postscale
-        algorithms.allreduce(self.cross, share, local, factor)
+            self._allreduce_copy(src, out, op, postscale, across)
 
     def _allreduce_direct(self, src: np.ndarray, out: np.ndarray, op: ReduceOp,
-                          postscale: float) -> None:
+                          postscale: float, across: Callable[[np.ndarray], None] | None) -> None:
         """Single copy: each rank reads the peers' inputs and results in their own memory."""
         result = out
         src = np.ascontiguousarray(src)
@@ -333,7 +317,6 @@ class ShmAllreduce:
         mine[_SRC], mine[_OUT] = src.ctypes.data, out.ctypes.data
         self.barrier()  # every input is ready and its address published
         lines = [(int(w[_PID]), int(w[_SRC]), int(w[_OUT])) for w in self._words]
-        local, scale = self._local_op(op, postscale)
         per = chunk_elems(item)
         if self._scratch.nbytes < self.size * per * item:
             self._scratch = np.empty(self.size * per * item, np.uint8)
@@ -342,9 +325,9 @@ class ShmAllreduce:
             parts = [src[a:b] if k == self.rank else
                      self._read(k, pid, addr + a * item, scratch[k * per:k * per + b - a])
                      for k, (pid, addr, _) in enumerate(lines)]
-            reduce_parts(parts, 0, b - a, out[a:b], local, scale)
-        if self.cross is not None:
-            self._across_hosts(out[lo:hi], op, postscale)
+            reduce_parts(parts, 0, b - a, out[a:b], op, postscale)
+        if across is not None:
+            across(out[lo:hi])
         self.barrier()  # every share is reduced, in its rank's output
         for k, ((pid, _, addr), (a, b)) in enumerate(zip(lines, bounds, strict=True)):
             if k != self.rank and b > a:
@@ -366,7 +349,7 @@ class ShmAllreduce:
                         f"{os.strerror(-got) if got < 0 else f'{got} of {dst.nbytes} bytes'}")
 
     def _allreduce_copy(self, src: np.ndarray, out: np.ndarray, op: ReduceOp,
-                        postscale: float) -> None:
+                        postscale: float, across: Callable[[np.ndarray], None] | None) -> None:
         """Through this rank's segment: see the module docstring."""
         dtype = src.dtype
         n = src.size
@@ -388,11 +371,10 @@ class ShmAllreduce:
         share = halves[self.rank]  # the peers copy this rank's reduced share from here
         # On a single host the result goes to out as well while each block is in cache (unless
         # out is the segment itself), so the copy-out below skips this rank's share.
-        mirrored = self.cross is None and out.ctypes.data != mine.ctypes.data
-        reduce_parts(parts, lo, hi, share, *self._local_op(op, postscale),
-                     out if mirrored else None)
-        if self.cross is not None:
-            self._across_hosts(share[lo:hi], op, postscale)
+        mirrored = across is None and out.ctypes.data != mine.ctypes.data
+        reduce_parts(parts, lo, hi, share, op, postscale, out if mirrored else None)
+        if across is not None:
+            across(share[lo:hi])
         self.barrier()
         in_place = out.ctypes.data == mine.ctypes.data  # this rank's share is already there
         for k, (a, b) in enumerate(bounds):
@@ -403,48 +385,3 @@ class ShmAllreduce:
         for seg in self._segs + self._flags:
             seg.close()
         self._segs = []
-
-
-class ShmTransport:
-    """The TCP transport plus a shared-memory :meth:`allreduce` for same-host jobs."""
-
-    def __init__(self, tcp: Any, shm: ShmAllreduce) -> None:
-        self.tcp = tcp
-        self.shm = shm
-        self.rank = tcp.rank
-        self.size = tcp.size
-
-    def __getattr__(self, name: str) -> Any:  # isend, irecv, send_ctrl, set_ctrl_handler, ...
-        return getattr(self.tcp, name)
-
-    def close(self, linger: float = 2.0) -> None:
-        self.shm.close()
-        self.tcp.close(linger)
-
-
-def create(rank: int, size: int, store: Any, config: Any, prefix: str = "",
-           secret: bytes | None = None, local_size: int | None = None) -> ShmTransport:
-    """TCP between all ranks, plus shared memory among the ``local_size`` ranks of each host.
-
-    Ranks must be assigned host by host (``rank = host * local_size + local_rank``, as
-    ringflow-run, mpirun and srun do by default) with the same number of ranks on every host.
-    """
-    from . import Subset, tcp
-
-    local_size = size if local_size is None else local_size
-    if local_size < 1 or size % local_size:
-        raise ConfigError(
-            f"shared memory needs the same number of ranks on every host; {size} ranks with "
-            f"{local_size} on this host do not divide evenly; set RINGFLOW_TRANSPORT=tcp"
-        )
-    host, local_rank = divmod(rank, local_size)
-    link = tcp.create(rank, size, store, config, prefix, secret)
-    # Barriers wait for this host's ranks only: another host's rank that finished and left is
-    # not a reason to fail them.
-    local = range(host * local_size, (host + 1) * local_size)
-    shm = ShmAllreduce(local_rank, local_size, store, f"{prefix}host{host}/",
-                       float(config.timeout_s),
-                       lambda late: link.check_peers([local[r] for r in late]))
-    if size > local_size:
-        shm.cross = Subset(link, list(range(local_rank, size, local_size)))
-    return ShmTransport(link, shm)

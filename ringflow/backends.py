@@ -1,0 +1,238 @@
+"""The transport a job runs on, and the ordered allreduce implementations over it.
+
+:func:`connect` chooses alike on every rank, from what they all publish in the store:
+
+* ``RINGFLOW_TRANSPORT=auto`` (the default): the ``mpi`` transport when the job was started by
+  mpirun (detector ``openmpi`` or ``pmi``) and every rank can use mpi4py with
+  ``MPI_THREAD_MULTIPLE`` (each rank publishes why it cannot, so that all choose alike); else
+  TCP, with shared memory among the ranks of each host when ranks are numbered host by host with
+  the same number (more than one) on every host;
+* ``shm``: TCP plus shared memory (an error if the layout does not allow it); any other value
+  names a registered transport (:func:`ringflow.transport.create`), used as is.
+
+For every allreduce plan item the executor takes the first implementation in
+:attr:`Backends.allreduce` whose ``enabled()`` accepts it (process set, dtype, op, device), as
+Horovod's operation manager does:
+
+1. :class:`SharedMemory` -- every rank on one host, global process set
+   (:class:`~ringflow.algorithms.shm.ShmAllreduce`);
+2. :class:`Hierarchical` -- shared memory within hosts, rings across them, global process set
+   (:class:`~ringflow.algorithms.hierarchical.HierarchicalAllreduce`);
+3. :class:`Native` -- the transport's own allreduce (MPI), global process set, for the dtypes
+   and ops it has; scaled by :class:`~ringflow.algorithms.reduction.Reduction` afterwards;
+4. :class:`Ring` -- any process set (:func:`~ringflow.algorithms.ring.allreduce`).
+
+Every implementation accepts CPU buffers only; an item that none accepts fails with a
+ShutdownError naming it. Adasum is an algorithm of its own (``op=Adasum``), not one of these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import transport
+from .algorithms import ring
+from .algorithms.hierarchical import HierarchicalAllreduce
+from .algorithms.reduction import Reduction, scale_only
+from .algorithms.shm import ShmAllreduce, available
+from .errors import ConfigError, ShutdownError
+from .ops import ReduceOp
+from .transport.base import Link, NativeAllreduce, Subset, Transport
+
+__all__ = ["AllreduceImpl", "Backends", "Hierarchical", "Native", "Ring", "SharedMemory",
+           "connect", "shared_memory"]
+
+log = logging.getLogger(__name__)
+
+
+class AllreduceImpl(Protocol):
+    """One way to run an allreduce plan item."""
+
+    name: str
+
+    def enabled(self, process_set: int, dtype: np.dtype, op: ReduceOp, device: str) -> bool:
+        """Whether this implementation can reduce such a buffer."""
+
+    def input_view(self, n: int, dtype: np.dtype) -> np.ndarray | None:
+        """Where to pack ``n`` elements of input to save a copy, or None (any buffer)."""
+
+    def allreduce(self, link: Link, src: np.ndarray, out: np.ndarray, op: ReduceOp,
+                  postscale: float) -> None:
+        """``out = reduce(src)`` over ``link``'s ranks (1-D; ``src`` may be ``out``)."""
+
+
+def _into(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out`` holding ``src``: the in-place implementations' input."""
+    if src is not out:
+        np.copyto(out, src)
+    return out
+
+
+class Ring:
+    name = "ring"
+
+    def enabled(self, process_set: int, dtype: np.dtype, op: ReduceOp, device: str) -> bool:
+        return device == "cpu"
+
+    def input_view(self, n: int, dtype: np.dtype) -> np.ndarray | None:
+        return None
+
+    def allreduce(self, link: Link, src: np.ndarray, out: np.ndarray, op: ReduceOp,
+                  postscale: float) -> None:
+        ring.allreduce(link, _into(src, out), op, postscale)
+
+
+class Native(Ring):
+    """The transport's own allreduce (:class:`~ringflow.transport.base.NativeAllreduce`)."""
+
+    name = "native"
+
+    def __init__(self, link: NativeAllreduce) -> None:
+        self.link = link
+
+    def enabled(self, process_set: int, dtype: np.dtype, op: ReduceOp, device: str) -> bool:
+        return process_set == 0 and device == "cpu" and self.link.native_supported(dtype, op)
+
+    def allreduce(self, link: Link, src: np.ndarray, out: np.ndarray, op: ReduceOp,
+                  postscale: float) -> None:
+        red = Reduction(out.dtype, op, postscale, link.size, "allreduce buffer")  # checks first
+        flat = _into(src, out)
+        self.link.native_allreduce(flat, op)
+        scale_only(flat, red)
+
+
+class SharedMemory:
+    """Every rank of the job on this host."""
+
+    name = "shm"
+
+    def __init__(self, shm: ShmAllreduce) -> None:
+        self.shm = shm
+
+    def enabled(self, process_set: int, dtype: np.dtype, op: ReduceOp, device: str) -> bool:
+        return process_set == 0 and device == "cpu"
+
+    def input_view(self, n: int, dtype: np.dtype) -> np.ndarray | None:
+        return self.shm.input_view(n, dtype)
+
+    def allreduce(self, link: Link, src: np.ndarray, out: np.ndarray, op: ReduceOp,
+                  postscale: float) -> None:
+        self.shm.allreduce(src, out, op, postscale)
+
+
+class Hierarchical(SharedMemory):
+    """Shared memory within hosts, rings across them."""
+
+    name = "hierarchical"
+
+    def __init__(self, shm: ShmAllreduce, cross: Link) -> None:
+        super().__init__(shm)
+        self.algorithm = HierarchicalAllreduce(shm, cross)
+
+    def allreduce(self, link: Link, src: np.ndarray, out: np.ndarray, op: ReduceOp,
+                  postscale: float) -> None:
+        self.algorithm.allreduce(src, out, op, postscale)
+
+
+@dataclasses.dataclass
+class Backends:
+    """The job's transport, its allreduce implementations in order, and what they hold."""
+
+    transport: Transport
+    allreduce: tuple[AllreduceImpl, ...]
+    shm: ShmAllreduce | None = None
+
+    def allreduce_for(self, process_set: int, dtype: np.dtype, op: ReduceOp,
+                      device: str) -> AllreduceImpl:
+        """The first enabled implementation.
+
+        Raises:
+            ShutdownError: none is (no implementation for that device, for example).
+        """
+        for impl in self.allreduce:
+            if impl.enabled(process_set, dtype, op, device):
+                return impl
+        raise ShutdownError(
+            f"no allreduce implementation for {dtype} on device {device!r} in process set "
+            f"{process_set} (have: {[i.name for i in self.allreduce]})")
+
+    def close(self, linger: float = 2.0) -> None:
+        if self.shm is not None:
+            self.shm.close()
+        self.transport.close(linger)
+
+
+def _over(link: Transport, shm: ShmAllreduce | None = None,
+          first: tuple[AllreduceImpl, ...] = ()) -> Backends:
+    impls: list[AllreduceImpl] = list(first)
+    if isinstance(link, NativeAllreduce):
+        impls.append(Native(link))
+    impls.append(Ring())
+    return Backends(link, tuple(impls), shm)
+
+
+def shared_memory(rank: int, size: int, store: Any, config: Any, prefix: str = "",
+                  local_size: int | None = None) -> Backends:
+    """TCP between all ranks, plus shared memory among the ``local_size`` ranks of each host.
+
+    Ranks must be assigned host by host (``rank = host * local_size + local_rank``, as
+    ringflow-run, mpirun and srun do by default) with the same number of ranks on every host.
+    """
+    local_size = size if local_size is None else local_size
+    if local_size < 1 or size % local_size:
+        raise ConfigError(
+            f"shared memory needs the same number of ranks on every host; {size} ranks with "
+            f"{local_size} on this host do not divide evenly; set RINGFLOW_TRANSPORT=tcp"
+        )
+    host, local_rank = divmod(rank, local_size)
+    link = transport.create("tcp", rank, size, store, config, prefix)
+    # Barriers wait for this host's ranks only: another host's rank that finished and left is
+    # not a reason to fail them.
+    local = range(host * local_size, (host + 1) * local_size)
+    shm = ShmAllreduce(local_rank, local_size, store, f"{prefix}host{host}/",
+                       float(config.timeout_s),
+                       lambda late: link.check_peers([local[r] for r in late]))
+    if size > local_size:
+        cross = Subset(link, list(range(local_rank, size, local_size)))
+        return _over(link, shm, (Hierarchical(shm, cross),))
+    return _over(link, shm, (SharedMemory(shm),))
+
+
+def connect(info: Any, store: Any, config: Any, prefix: str, comm: Any = None) -> Backends:
+    """The job's backends, chosen alike on every rank (see the module doc).
+
+    Raises:
+        ConfigError: the configured transport cannot be used here.
+        PeerError / RingflowTimeoutError: the other ranks could not be reached in time.
+    """
+    name = config.transport
+    if info.size == 1:
+        return _over(transport.create("tcp", 0, 1, None, config))
+    if comm is not None and name in ("auto", "mpi"):
+        return _over(transport.create("mpi", info.rank, info.size, None, config, comm=comm))
+    if name == "auto" and info.detector in ("openmpi", "pmi"):
+        from .transport import mpi
+
+        store.set(f"{prefix}mpi/{info.rank}", (mpi.unusable_reason() or "ok").encode())
+        why = [store.get(f"{prefix}mpi/{r}").decode() for r in range(info.size)]
+        if all(w == "ok" for w in why):
+            name = "mpi"
+        else:
+            log.info("not using the mpi transport: %s", next(w for w in why if w != "ok"))
+    local = info.local_size
+    if name == "auto":
+        store.set(f"{prefix}layout/{info.rank}",
+                  f"{info.cross_rank},{info.local_rank},{info.local_size}".encode())
+        layout = [tuple(map(int, store.get(f"{prefix}layout/{r}").split(b",")))
+                  for r in range(info.size)]
+        local = layout[0][2]
+        by_host = all(ls == local and r == cr * local + lr
+                      for r, (cr, lr, ls) in enumerate(layout))
+        name = "shm" if by_host and local > 1 and available() else "tcp"
+    if name == "shm":
+        return shared_memory(info.rank, info.size, store, config, prefix, local)
+    return _over(transport.create(name, info.rank, info.size, store, config, prefix=prefix))

@@ -1,0 +1,223 @@
+"""Execution of plan items on the data plane: fusion packing and each collective's algorithm.
+
+The engine thread hands :meth:`Executor.run` one plan item at a time, in plan order, outside the
+control lock. The executor packs fused tensors into a reusable buffer of the wire dtype (the
+cast *is* the fp16/bf16 compression; prescale is applied while packing), runs the algorithm on
+the process set's link, and unpacks (the cast back decompresses). Allreduce takes the first
+enabled implementation of :class:`~ringflow.backends.Backends` (shared memory, hierarchical,
+native, ring), which may offer the buffer to pack into (shared memory saves a copy). A rank that
+joined takes part with zeros (allreduce), no rows (allgather), or as a relay (broadcast).
+
+Buffers: one fusion buffer per wire dtype, grown and never shrunk. Outputs are fresh arrays
+unless the caller passed one (``out``, the in-place forms).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import algorithms
+from .backends import Backends
+from .negotiation import EAGER_BYTES, Request, Response
+from .ops import DTYPES, ReduceOp, scale_into
+from .transport.base import Link, Subset
+
+__all__ = ["Entry", "Executor", "eager_input", "unpack"]
+
+
+class Entry:
+    """A tensor handed to the engine: its request, input, optional output, and handle."""
+
+    __slots__ = ("array", "handle", "out", "request")
+
+    def __init__(self, request: Request, array: np.ndarray | None, out: Any, handle: Any):
+        self.request = request
+        self.array = array
+        self.out = out
+        self.handle = handle
+
+
+class Executor:
+    """Runs plan items over ``backends``; ``process_sets`` maps set id -> global ranks."""
+
+    def __init__(self, backends: Backends, process_sets: dict[int, list[int]]) -> None:
+        self.backends = backends
+        self.process_sets = process_sets
+        self._fusion: dict[str, np.ndarray] = {}
+        self._subsets: dict[int, Subset] = {}
+
+    def link(self, ps: int) -> Link:
+        """The link of process set ``ps`` (ranks counted within the set)."""
+        if ps == 0:
+            return self.backends.transport
+        sub = self._subsets.get(ps)
+        if sub is None:
+            sub = self._subsets[ps] = Subset(self.backends.transport, self.process_sets[ps])
+        return sub
+
+    def forget(self, ps: int) -> None:
+        """Process set ``ps`` was removed."""
+        self._subsets.pop(ps, None)
+
+    def run(self, item: Response, entries: list[Entry | None]) -> list[Any]:
+        """Execute one data-plane plan item; the outputs, one per entry (None for a joined
+        rank's)."""
+        t = self.link(item.process_set)
+        op = item.op
+        if op == "allreduce":
+            return self._allreduce(t, item, entries)
+        if op == "allgather":
+            return self._allgather(t, item, entries)
+        (entry,) = entries
+        req = item.requests[0]
+        if op == "broadcast":
+            if entry is None:  # a joined rank relays the root's data (the root has not joined)
+                out = np.empty(req.shape, DTYPES[req.dtype])
+            else:
+                out = _output(entry, req)
+                if out is not entry.array:
+                    np.copyto(out, entry.array)
+            # root_rank is global; the link of a process set counts ranks within the set
+            root = self.process_sets[item.process_set].index(req.root)
+            algorithms.broadcast(t, out.reshape(-1), root)
+            return [out]
+        if op == "alltoall":
+            # Splits differ by rank: each rank sends by its own request, not the reference one.
+            return [algorithms.alltoall(t, entry.array, list(entry.request.splits))]
+        if op == "reducescatter":
+            buf, wire = entry.array, req.wire_dtype  # casting to the wire dtype compresses
+            if req.prescale != 1.0:
+                buf = _scaled(buf, req.prescale, wire)
+            elif buf.dtype != wire:
+                buf = buf.astype(wire)
+            out = algorithms.reducescatter(t, buf, ReduceOp(req.reduce_op), req.postscale)
+            return [out.astype(entry.array.dtype, copy=False)]
+        raise AssertionError(f"no data-plane execution for {op}")
+
+    def _allreduce(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
+        refs = item.requests
+        ref = refs[0]
+        wire = ref.wire_dtype
+        reduce_op = ReduceOp(ref.reduce_op)
+        sizes = [math.prod(r.shape) for r in refs]
+        total = sum(sizes)
+        if reduce_op == ReduceOp.ADASUM:  # its own algorithm, always through a buffer
+            buf = self._pack(self._fusion_buffer(wire, total), entries, sizes, ref.prescale)
+            algorithms.adasum(t, buf, sizes)
+            if ref.postscale != 1.0:
+                scale_into(buf, ref.postscale, buf)
+            return unpack(buf, refs, entries)
+        impl = self.backends.allreduce_for(item.process_set, wire, reduce_op, ref.device)
+        e0 = entries[0]
+        if len(refs) == 1 and e0 is not None and e0.array is not None and e0.array.dtype == wire:
+            result = _output(e0, ref)
+            out, src = result.reshape(-1), e0.array.reshape(-1)
+            if ref.prescale != 1.0:
+                view = impl.input_view(total, wire)
+                src = out if view is None else view
+                scale_into(e0.array.reshape(-1), ref.prescale, src)
+            impl.allreduce(t, src, out, reduce_op, ref.postscale)
+            return [result]
+        view = impl.input_view(total, wire)
+        buf = self._fusion_buffer(wire, total) if view is None else view
+        self._pack(buf, entries, sizes, ref.prescale)
+        impl.allreduce(t, buf, buf, reduce_op, ref.postscale)
+        return unpack(buf, refs, entries)
+
+    @staticmethod
+    def _pack(buf: np.ndarray, entries: list[Entry | None], sizes: list[int],
+              prescale: float) -> np.ndarray:
+        """Each entry's input, prescaled, cast to ``buf``'s dtype; zeros for a joined rank."""
+        offset = 0
+        for entry, n in zip(entries, sizes, strict=True):
+            view = buf[offset:offset + n]
+            if entry is None or entry.array is None:
+                view.fill(0)
+            elif prescale != 1.0:
+                scale_into(entry.array.reshape(-1), prescale, view)
+            else:
+                np.copyto(view, entry.array.reshape(-1), casting="unsafe")
+            offset += n
+        return buf
+
+    def _allgather(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
+        refs = item.requests
+        me = t.rank
+        if len(refs) == 1 and entries[0] is not None:
+            return [algorithms.allgather(t, entries[0].array, list(item.first_dims[0]))]
+        row_bytes = [math.prod(r.shape[1:]) * DTYPES[r.dtype].itemsize for r in refs]
+        counts = [sum(d[m] * rb for d, rb in zip(item.first_dims, row_bytes, strict=True))
+                  for m in range(t.size)]
+        send = self._fusion_buffer(np.dtype(np.uint8), counts[me])
+        offset = 0
+        for entry, dims, rb in zip(entries, item.first_dims, row_bytes, strict=True):
+            n = dims[me] * rb
+            if entry is not None and n:
+                send[offset:offset + n] = entry.array.reshape(-1).view(np.uint8)
+            offset += n
+        gathered = algorithms.allgather(t, send[:counts[me]].copy(), counts)
+        outs = [np.empty((sum(d), *r.shape[1:]), DTYPES[r.dtype])
+                for d, r in zip(item.first_dims, refs, strict=True)]
+        flat = [o.reshape(-1).view(np.uint8) for o in outs]
+        cursor = [0] * len(outs)
+        offset = 0
+        for m in range(t.size):
+            for i, (dims, rb) in enumerate(zip(item.first_dims, row_bytes, strict=True)):
+                n = dims[m] * rb
+                flat[i][cursor[i]:cursor[i] + n] = gathered[offset:offset + n]
+                cursor[i] += n
+                offset += n
+        return [o if e is not None else None for o, e in zip(outs, entries, strict=True)]
+
+    def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
+        """A reused buffer of at least ``n`` elements of ``dtype`` (grown, never shrunk)."""
+        buf = self._fusion.get(dtype.str)
+        if buf is None or buf.size < n:
+            buf = self._fusion[dtype.str] = np.empty(max(n, 1), dtype)
+        return buf[:n]
+
+
+def _output(entry: Entry, req: Request) -> np.ndarray:
+    if entry.out is not None:
+        return entry.out
+    return np.empty(req.shape, entry.array.dtype if entry.array is not None else DTYPES[req.dtype])
+
+
+def _scaled(array: np.ndarray, factor: float, dtype: np.dtype) -> np.ndarray:
+    out = np.empty(array.shape, dtype)
+    scale_into(array, factor, out)
+    return out
+
+
+def eager_input(entry: Entry) -> np.ndarray | None:
+    """What this rank sends with a cache bit so that rank 0 can reduce the tensor itself: the
+    prescaled tensor in its wire dtype, for allreduces of at most ``EAGER_BYTES``."""
+    req, arr = entry.request, entry.array
+    if (req.op != "allreduce" or arr is None or req.nbytes > EAGER_BYTES
+            or req.reduce_op == ReduceOp.ADASUM):
+        return None
+    flat = arr.reshape(-1)
+    wire = req.wire_dtype
+    if req.prescale != 1.0:
+        return _scaled(flat, req.prescale, wire)
+    # No copy: a worker pickles it at once, and rank 0 reduces it before the handle can finish.
+    return flat if flat.dtype == wire else flat.astype(wire)
+
+
+def unpack(result: np.ndarray, refs: tuple[Request, ...], entries: list[Entry | None]) -> list:
+    """Each entry's output from the fused ``result`` (casting decompresses)."""
+    outs: list[Any] = []
+    offset = 0
+    for r, entry in zip(refs, entries, strict=True):
+        n = math.prod(r.shape)
+        if entry is None:
+            outs.append(None)
+        else:
+            out = _output(entry, r)
+            np.copyto(out, result[offset:offset + n].reshape(r.shape), casting="unsafe")
+            outs.append(out)
+        offset += n
+    return outs

@@ -1,0 +1,65 @@
+"""Liveness: heartbeats between every rank and rank 0, and the verdict on a silent peer.
+
+Rank 0 expects to hear from every worker, and every worker from rank 0, at least once every
+``timeout_s``: any control message counts, and a thread sends a
+:class:`~ringflow.messages.Heartbeat` every ``min(1 s, timeout_s / 4)`` so that an idle job
+stays heard. The same thread wakes the engine thread at that pace, which then checks
+:meth:`Liveness.silent` (and rank 0's stall inspector). A peer silent for longer than
+``timeout_s`` is frozen (SIGSTOP, a livelock, an overloaded host): the job fails with a
+PeerError naming it. A dead peer is found sooner, by its transport (a closed connection).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+from .errors import PeerError
+
+__all__ = ["Liveness"]
+
+
+class Liveness:
+    """When each peer was last heard of; the heartbeat thread."""
+
+    def __init__(self, rank: int, size: int, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.interval = min(1.0, timeout_s / 4)
+        now = time.monotonic()
+        peers = range(1, size) if rank == 0 else [0] if size > 1 else []
+        self._last_heard = {r: now for r in peers}
+        self._stop = threading.Event()
+
+    def heard(self, src: int) -> None:
+        self._last_heard[src] = time.monotonic()
+
+    def silent(self) -> PeerError | None:
+        """The error for the first peer not heard of within ``timeout_s``, if any."""
+        now = time.monotonic()
+        for peer, heard in self._last_heard.items():
+            if now - heard > self.timeout_s:
+                return PeerError(
+                    f"rank {peer} has not responded for {now - heard:.1f} s: it is frozen or "
+                    "overloaded (RINGFLOW_TIMEOUT_S sets this limit)")
+        return None
+
+    def start(self, owner: object, beat: Callable[[object], None], name: str) -> None:
+        """Call ``beat(owner)`` every ``interval`` until :meth:`stop` or ``owner`` is gone
+        (the thread holds only a weak reference to it)."""
+        if not self._last_heard:
+            return
+        ref = weakref.ref(owner)
+        threading.Thread(target=self._run, args=(ref, beat), name=name, daemon=True).start()
+
+    def _run(self, ref: weakref.ReferenceType, beat: Callable[[object], None]) -> None:
+        while not self._stop.wait(self.interval):
+            owner = ref()
+            if owner is None:
+                return
+            beat(owner)
+            del owner
+
+    def stop(self) -> None:
+        self._stop.set()
