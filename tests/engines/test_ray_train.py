@@ -9,10 +9,14 @@ Ray Train's process group listens on every interface.
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
 
+# Only to skip where Ray Train is missing: Ray reads these when it is imported, and
+# tests/multiproc/test_ray.py, which starts its cluster in this process, needs them set first.
+os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
 pytest.importorskip("torch")
 pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (ringflow[ray-train])")
 
