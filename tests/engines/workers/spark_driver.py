@@ -1,5 +1,5 @@
-"""Driver of tests/engines/test_spark.py: one local Spark session on 127.0.0.1 (no web UI) and
-``TorchDistributor(num_processes=2, local_mode=True, use_gpu=False)`` runs in it.
+"""Driver of tests/engines/test_spark.py: one local Spark session on 127.0.0.1 (``local[2]``, no
+web UI) and ``TorchDistributor(num_processes=2, use_gpu=False)`` runs in it.
 
     python spark_driver.py PHASE...
 
@@ -10,10 +10,14 @@ Phases (workers/phases.py):
   global batch) and returns every rank's PASS line (gathered through the key-value client: in
   local mode every rank writes its result to the same file); the driver prints them.
 - ``file``: ``run(job.py, "--size", "2", "--train")``, torchrun on job.py itself.
+- ``barrier``: ``run(checks_fn, 2)`` with ``local_mode=False``, as on a cluster: two barrier
+  tasks each run torchrun as one node of one process (``--nnodes 2``, c10d rendezvous at task
+  0's address); the session's ``local[2]`` master gives the two slots.
 - ``example``: examples/spark_torch_distributor.py for 2 epochs, in this session.
 
-Run it inside a network namespace that has only a loopback interface: torchrun's agent store
-listens on every interface.
+Run it inside a network namespace that has only a loopback interface: torchrun's stores and, in
+barrier mode, TorchDistributor's log streaming server (0.0.0.0, hard-coded in pyspark 4.3)
+listen on every interface.
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ def main() -> int:
              .config("spark.ui.enabled", "false")
              .getOrCreate())
 
-    def distributor() -> TorchDistributor:
-        return TorchDistributor(num_processes=PROCESSES, local_mode=True, use_gpu=False)
+    def distributor(local_mode: bool = True) -> TorchDistributor:
+        return TorchDistributor(num_processes=PROCESSES, local_mode=local_mode, use_gpu=False)
 
     def function() -> None:
         for line in distributor().run(checks_fn, PROCESSES):
@@ -67,6 +71,10 @@ def main() -> int:
 
     def file() -> None:
         distributor().run(str(HERE / "job.py"), "--size", str(PROCESSES), "--train")
+
+    def barrier() -> None:
+        for line in distributor(local_mode=False).run(checks_fn, PROCESSES):
+            print(line, flush=True)
 
     def example() -> None:
         sys.path.insert(0, str(EXAMPLES))
@@ -77,7 +85,8 @@ def main() -> int:
         print(f"EXAMPLE accuracy {accuracy:.4f}", flush=True)
 
     try:
-        return run_phases({"function": function, "file": file, "example": example},
+        return run_phases({"function": function, "file": file, "barrier": barrier,
+                           "example": example},
                           sys.argv[1:])
     finally:
         spark.stop()
