@@ -6,7 +6,9 @@
 processes on the driver's host with torchrun (``--standalone``), which sets torch's environment
 contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of its agent
 store, ``TORCHELASTIC_RUN_ID``). ``hvd.init()`` needs nothing more: it joins through torchrun's
-store (detector ``torchrun``, ringflow/topology.py). Data, model and optimizer as in
+store (detector ``torchrun``, ringflow/topology.py). On a Spark cluster, ``local_mode=False``
+runs one barrier task per process, each a torchrun node of one process; ``train`` stays as it is
+(tests/engines/test_spark.py runs that mode on ``local[2]``). Data, model and optimizer as in
 examples/ray_train_torch.py.
 
 This starts a local Spark session on 127.0.0.1 without its web UI, or uses the active session
