@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -20,11 +21,11 @@ os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_EN
 pytest.importorskip("torch")
 pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (ringflow[ray-train])")
 
-from engine_harness import ROOT, clean_env, loopback_namespace, pass_lines, phase, python, run_all
+from engine_harness import clean_env, loopback_namespace, pass_lines, phase, python, run_all
 
 pytestmark = pytest.mark.timeout(300)
 
-DRIVER = str(ROOT / "tests" / "engines" / "workers" / "ray_train_driver.py")
+DRIVER = str(Path(__file__).resolve().parent / "workers" / "ray_train_driver.py")
 
 
 @pytest.fixture(scope="module")

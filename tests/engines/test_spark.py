@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -21,11 +22,11 @@ pytest.importorskip("torch")
 pytest.importorskip("pyspark.ml.torch.distributor", reason="pyspark is not installed "
                     "(ringflow[spark])")
 
-from engine_harness import ROOT, clean_env, loopback_namespace, pass_lines, phase, python, run_all
+from engine_harness import clean_env, loopback_namespace, pass_lines, phase, python, run_all
 
 pytestmark = pytest.mark.timeout(300)
 
-DRIVER = str(ROOT / "tests" / "engines" / "workers" / "spark_driver.py")
+DRIVER = str(Path(__file__).resolve().parent / "workers" / "spark_driver.py")
 EXPECTED = ["PASS rank 0/2 local 0/2 cross 0/1 via torchrun",
             "PASS rank 1/2 local 1/2 cross 0/1 via torchrun"]
 
