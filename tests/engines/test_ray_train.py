@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-# Only to skip where Ray Train is missing: Ray reads these when it is imported, and
-# tests/multiproc/test_ray.py, which starts its cluster in this process, needs them set first.
+# Ray is imported here only to skip where Ray Train is missing, but it reads these at import, and
+# tests/multiproc/test_ray.py starts its cluster in this pytest process: set them first.
 os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
 pytest.importorskip("torch")
 pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (ringflow[ray-train])")
