@@ -17,10 +17,16 @@ setup(
         "gpu": ["cupy-cuda12x"],
         # ringflow.ray.RayExecutor; tested with 2.60 (the core package is enough: no dashboard).
         "ray": ["ray>=2.60,<3"],
+        # hvd.init() inside ray.train.torch.TorchTrainer (examples/ray_train_torch.py); tested
+        # with 2.60 (Train v2).
+        "ray-train": ["ray[train]>=2.60,<3"],
+        # hvd.init() under pyspark's TorchDistributor (examples/spark_torch_distributor.py);
+        # tested with 4.3 on Java 17 (Spark 4 needs Java 17 or later).
+        "spark": ["pyspark>=4.0,<5"],
         # Everything the whole test suite exercises; torch stays pinned by constraints.txt.
         "test": ["pytest", "pytest-timeout", "scikit-learn", "pyyaml", "mpi4py", "openmpi",
                  "torch", "tensorflow-cpu", "cloudpickle", "python-hostlist",
-                 "ray>=2.60,<3"],
+                 "ray[train]>=2.60,<3", "pyspark>=4.0,<5"],
         "examples": ["scikit-learn"],
         "bench": ["matplotlib"],
     },

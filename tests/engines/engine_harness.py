@@ -69,8 +69,25 @@ def passes(results: Sequence[subprocess.CompletedProcess[str]]) -> list[str]:
     """The PASS lines of every process, sorted; fails with the output when one failed."""
     out = "\n".join(r.stdout for r in results)
     assert all(r.returncode == 0 for r in results), out[-6000:]
+    return pass_lines(out)
+
+
+def pass_lines(out: str) -> list[str]:
+    """The PASS lines in ``out``, sorted."""
     # Launchers that merge their children's output (torchrun) may join two lines into one.
     return sorted(m.strip() for m in re.findall(r"PASS rank [^\n]*?(?=PASS rank|\n|$)", out))
+
+
+def phase(result: subprocess.CompletedProcess[str], name: str) -> str:
+    """What phase ``name`` of a driver that runs several in one engine session printed (between
+    ``== PHASE name`` and ``== END name ok``, see workers/phases.py); fails with the driver's
+    output when that phase failed or never ended."""
+    match = re.search(rf"^== PHASE {re.escape(name)}\n(.*?)^== END {re.escape(name)} (\w+)$",
+                      result.stdout, re.S | re.M)
+    assert match is not None and match.group(2) == "ok", (
+        f"phase {name} of {result.args} (exit code {result.returncode}) did not end ok:\n"
+        + result.stdout[-8000:])
+    return match.group(1)
 
 
 @contextlib.contextmanager

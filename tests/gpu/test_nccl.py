@@ -13,9 +13,9 @@ import subprocess
 import numpy as np
 import pytest
 
+from ringflow.algorithms import nccl
 from ringflow.ops import ReduceOp
 from ringflow.rendezvous import MemoryStore
-from ringflow.algorithms import nccl
 
 pytestmark = pytest.mark.timeout(120)
 

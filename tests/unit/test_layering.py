@@ -16,7 +16,7 @@ PACKAGE = Path(ringflow.__file__).resolve().parent
 def imports_of(path: Path) -> set[str]:
     """Every module ``path`` imports, relative imports resolved to absolute names."""
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    package = parts[:-1]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):

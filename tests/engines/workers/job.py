@@ -52,6 +52,31 @@ def train_matches_one_process(rf) -> None:
                                  f"batch: {a.detach().numpy()} vs {b.detach().numpy()}")
 
 
+def checks(rf, size: int | None = None, train: bool = False) -> str:
+    """Every check of the module doc on this rank of the initialised job ``rf`` (ringflow); the
+    PASS line, or raises. Engines that run a function rather than this file (Ray Train, Spark)
+    call it from there."""
+    r, n = rf.rank(), rf.size()
+    if size is not None and n != size:
+        raise AssertionError(f"rank {r}: the job has {n} ranks, expected {size}")
+    for length in (0, 1, 7, 100_003):
+        got = rf.allreduce(np.full(length, r + 1.0), name=f"sum.{length}", op=rf.Sum)
+        if not np.array_equal(got, np.full(length, n * (n + 1) / 2)):
+            raise AssertionError(f"rank {r}: allreduce of {length} gave {got[:3]}")
+    got = rf.broadcast(np.arange(5.0) + r, root_rank=n - 1, name="bcast")
+    if not np.array_equal(got, np.arange(5.0) + n - 1):
+        raise AssertionError(f"rank {r}: broadcast gave {got}")
+    client = rf.get_client()
+    if r == 0:
+        client.user_set("hello", {"from": 0, "size": n})
+    if client.user_get("hello") != {"from": 0, "size": n}:
+        raise AssertionError(f"rank {r}: the key-value client gave {client.user_get('hello')}")
+    if train:
+        train_matches_one_process(rf)
+    return (f"PASS rank {r}/{n} local {rf.local_rank()}/{rf.local_size()} cross "
+            f"{rf.cross_rank()}/{rf.cross_size()} via {rf._info.detector}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--init", default="auto", choices=("auto", "torch-first", "explicit"))
@@ -72,26 +97,7 @@ def main() -> None:
                 init_method=args.init_method)
     else:
         rf.init()
-    r, n = rf.rank(), rf.size()
-    if args.size is not None and n != args.size:
-        raise AssertionError(f"rank {r}: the job has {n} ranks, expected {args.size}")
-    for length in (0, 1, 7, 100_003):
-        got = rf.allreduce(np.full(length, r + 1.0), name=f"sum.{length}", op=rf.Sum)
-        if not np.array_equal(got, np.full(length, n * (n + 1) / 2)):
-            raise AssertionError(f"rank {r}: allreduce of {length} gave {got[:3]}")
-    got = rf.broadcast(np.arange(5.0) + r, root_rank=n - 1, name="bcast")
-    if not np.array_equal(got, np.arange(5.0) + n - 1):
-        raise AssertionError(f"rank {r}: broadcast gave {got}")
-    client = rf.get_client()
-    if r == 0:
-        client.user_set("hello", {"from": 0, "size": n})
-    if client.user_get("hello") != {"from": 0, "size": n}:
-        raise AssertionError(f"rank {r}: the key-value client gave {client.user_get('hello')}")
-    if args.train:
-        train_matches_one_process(rf)
-    detector = rf._info.detector
-    print(f"PASS rank {r}/{n} local {rf.local_rank()}/{rf.local_size()} cross "
-          f"{rf.cross_rank()}/{rf.cross_size()} via {detector}", flush=True)
+    print(checks(rf, args.size, args.train), flush=True)
     rf.shutdown()
     if args.init == "torch-first":
         import torch.distributed as dist
