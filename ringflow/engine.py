@@ -60,6 +60,7 @@ import numpy as np
 
 from . import errors
 from .backends import Backends
+from .collectives import collective
 from .config import Config
 from .errors import RingflowError, ShutdownError, from_wire
 from .executor import Entry, Executor, eager_input, unpack
@@ -90,8 +91,6 @@ class Wake(enum.Enum):
     TICK = "tick"  # (): check liveness, stalls and the fusion window
     STOP = "stop"  # (): shut down
 
-# Plan items that move data through the transport; everything else completes from the plan alone.
-_DATA_OPS = frozenset({"allreduce", "allgather", "broadcast", "alltoall", "reducescatter"})
 
 
 class Engine:
@@ -344,7 +343,7 @@ class Engine:
         req = entry.request
         self._pending[req.key] = entry
         if self._timeline is not None:
-            self._timeline.begin(req.name, f"NEGOTIATE_{req.op.upper()}")
+            self._timeline.begin(req.name, f"NEGOTIATE_{req.kind.upper()}")
         bit = None if req.error else self.cache.lookup(req)
         if bit is None:
             requests.append(req)
@@ -505,20 +504,20 @@ class Engine:
             if self._timeline is not None:
                 for r in resp.requests:
                     if r.key in self._pending:
-                        self._timeline.end(r.name, f"NEGOTIATE_{r.op.upper()}")
+                        self._timeline.end(r.name, f"NEGOTIATE_{r.kind.upper()}")
             members = self.process_sets.get(resp.process_set)
-            if resp.op == "add_process_set" and not resp.error:
+            if resp.kind == "add_process_set" and not resp.error:
                 self.process_sets[resp.value] = list(resp.requests[0].shape)
-            elif resp.op == "remove_process_set" and not resp.error:
+            elif resp.kind == "remove_process_set" and not resp.error:
                 self.process_sets.pop(resp.requests[0].root, None)
                 self.executor.forget(resp.requests[0].root)
-            if not resp.error and resp.op != "join" and (
-                (members is None and resp.op != "remove_process_set")
+            if not resp.error and resp.kind != "join" and (
+                (members is None and resp.kind != "remove_process_set")
                 or (members is not None and self.rank not in members)
             ):
                 continue  # not this rank's (it never submitted it)
             entries = [self._pending.get(r.key) for r in resp.requests]
-            data_plane = resp.op in _DATA_OPS and not resp.error and result is None
+            data_plane = collective(resp.kind).data and not resp.error and result is None
             if data_plane or self._ready:
                 self._ready.append((resp, entries, data_plane, result))
                 queued = True
@@ -537,7 +536,7 @@ class Engine:
                 if data_plane and self._timeline is not None:
                     for r, e in zip(resp.requests, entries, strict=True):
                         if e is not None:
-                            self._timeline.begin(r.name, r.op.upper(), fused=len(entries))
+                            self._timeline.begin(r.name, r.kind.upper(), fused=len(entries))
             results = self.executor.run(resp, entries) if data_plane else None
             with self._control():
                 if self._closed:
@@ -550,7 +549,7 @@ class Engine:
         """Finish the handles of one plan item (under the lock)."""
         for r in resp.requests:
             self._pending.pop(r.key, None)
-        if resp.op == "join":
+        if resp.kind == "join":
             entry = self._pending.pop((0, "join"), None)
             if entry is not None:
                 self._done(entry.handle, resp.value)
@@ -564,7 +563,7 @@ class Engine:
             results = unpack(result, resp.requests, entries)
             self.stats["eager"] += 1
         elif results is None:  # ops without data: barrier, process-set changes
-            value = resp.value if resp.op in ("add_process_set", "remove_process_set") else None
+            value = resp.value if resp.kind in ("add_process_set", "remove_process_set") else None
             results = [value] * len(entries)
         tl = self._timeline
         self.stats["collectives"] += 1
@@ -572,9 +571,9 @@ class Engine:
         for r, entry, value in zip(resp.requests, entries, results, strict=True):
             if entry is not None:
                 if tl is not None:
-                    if resp.op not in _DATA_OPS or result is not None:
-                        tl.begin(r.name, r.op.upper(), fused=len(entries))
-                    tl.end(r.name, r.op.upper())
+                    if not collective(resp.kind).data or result is not None:
+                        tl.begin(r.name, r.kind.upper(), fused=len(entries))
+                    tl.end(r.name, r.kind.upper())
                 self._done(entry.handle, value)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import algorithms
 from .backends import Backends
+from .collectives import COLLECTIVES
 from .negotiation import EAGER_BYTES, Request, Response
 from .ops import DTYPES, ReduceOp, scale_into
 from .transport.base import Link, Subset
@@ -65,37 +66,37 @@ class Executor:
     def run(self, item: Response, entries: list[Entry | None]) -> list[Any]:
         """Execute one data-plane plan item; the outputs, one per entry (None for a joined
         rank's)."""
-        t = self.link(item.process_set)
-        op = item.op
-        if op == "allreduce":
-            return self._allreduce(t, item, entries)
-        if op == "allgather":
-            return self._allgather(t, item, entries)
+        return _RUN[item.kind](self, self.link(item.process_set), item, entries)
+
+    def _root(self, item: Response) -> int:
+        """The item's root within its process set (``root`` is a global rank)."""
+        return self.process_sets[item.process_set].index(item.requests[0].root)
+
+    def _broadcast(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
+        (entry,), req = entries, item.requests[0]
+        if entry is None:  # a joined rank relays the root's data (the root has not joined)
+            out = np.empty(req.shape, DTYPES[req.dtype])
+        else:
+            out = _output(entry, req)
+            if out is not entry.array:
+                np.copyto(out, entry.array)
+        algorithms.broadcast(t, out.reshape(-1), self._root(item))
+        return [out]
+
+    def _alltoall(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
         (entry,) = entries
-        req = item.requests[0]
-        if op == "broadcast":
-            if entry is None:  # a joined rank relays the root's data (the root has not joined)
-                out = np.empty(req.shape, DTYPES[req.dtype])
-            else:
-                out = _output(entry, req)
-                if out is not entry.array:
-                    np.copyto(out, entry.array)
-            # root_rank is global; the link of a process set counts ranks within the set
-            root = self.process_sets[item.process_set].index(req.root)
-            algorithms.broadcast(t, out.reshape(-1), root)
-            return [out]
-        if op == "alltoall":
-            # Splits differ by rank: each rank sends by its own request, not the reference one.
-            return [algorithms.alltoall(t, entry.array, list(entry.request.splits))]
-        if op == "reducescatter":
-            buf, wire = entry.array, req.wire_dtype  # casting to the wire dtype compresses
-            if req.prescale != 1.0:
-                buf = _scaled(buf, req.prescale, wire)
-            elif buf.dtype != wire:
-                buf = buf.astype(wire)
-            out = algorithms.reducescatter(t, buf, ReduceOp(req.reduce_op), req.postscale)
-            return [out.astype(entry.array.dtype, copy=False)]
-        raise AssertionError(f"no data-plane execution for {op}")
+        # Splits differ by rank: each rank sends by its own request, not the reference one.
+        return [algorithms.alltoall(t, entry.array, list(entry.request.splits))]
+
+    def _reducescatter(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
+        (entry,), req = entries, item.requests[0]
+        buf, wire = entry.array, req.wire_dtype  # casting to the wire dtype compresses
+        if req.prescale != 1.0:
+            buf = _scaled(buf, req.prescale, wire)
+        elif buf.dtype != wire:
+            buf = buf.astype(wire)
+        out = algorithms.reducescatter(t, buf, ReduceOp(req.reduce_op), req.postscale)
+        return [out.astype(entry.array.dtype, copy=False)]
 
     def _allreduce(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
         refs = item.requests
@@ -180,6 +181,15 @@ class Executor:
         return buf[:n]
 
 
+#: How each collective that moves data runs (collectives.COLLECTIVES says which do).
+_RUN = {"allreduce": Executor._allreduce, "allgather": Executor._allgather,
+        "broadcast": Executor._broadcast, "alltoall": Executor._alltoall,
+        "reducescatter": Executor._reducescatter}
+_MISSING = {k for k, c in COLLECTIVES.items() if c.data} ^ set(_RUN)
+if _MISSING:  # a collective in the table that the executor cannot run, or the other way round
+    raise ImportError(f"ringflow.executor and ringflow.collectives disagree on {_MISSING}")
+
+
 def _output(entry: Entry, req: Request) -> np.ndarray:
     if entry.out is not None:
         return entry.out
@@ -196,7 +206,7 @@ def eager_input(entry: Entry) -> np.ndarray | None:
     """What this rank sends with a cache bit so that rank 0 can reduce the tensor itself: the
     prescaled tensor in its wire dtype, for allreduces of at most ``EAGER_BYTES``."""
     req, arr = entry.request, entry.array
-    if (req.op != "allreduce" or arr is None or req.nbytes > EAGER_BYTES
+    if (req.kind != "allreduce" or arr is None or req.nbytes > EAGER_BYTES
             or req.reduce_op == ReduceOp.ADASUM):
         return None
     flat = arr.reshape(-1)

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .algorithms.local import reduce_parts
+from .collectives import COLLECTIVES, collective
 from .compression import Compression
 from .ops import DTYPES, ReduceOp
 
@@ -56,10 +57,6 @@ Key = tuple[int, str]  # (process set id, tensor name)
 #: its cache bit and comes back reduced in the plan. See benchmarks/engine_latency.py.
 EAGER_BYTES = 64 * 1024
 
-_CACHEABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter"})
-# Ops that may proceed while some ranks have joined: the joined ranks contribute nothing.
-_JOINABLE = frozenset({"allreduce", "allgather", "broadcast", "barrier"})
-
 
 @functools.cache
 def _wire_dtype(compression: str, dtype: str) -> np.dtype:
@@ -68,8 +65,13 @@ def _wire_dtype(compression: str, dtype: str) -> np.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
+    """One rank's submission of one tensor: everything the ranks must agree on.
+
+    ``kind`` is a key of :data:`ringflow.collectives.COLLECTIVES`; ``root`` a global rank;
+    ``error`` a local validation failure, which fails the operation on every rank."""
+
     name: str
-    op: str
+    kind: str
     dtype: str = ""
     shape: tuple[int, ...] = ()
     reduce_op: int = 1
@@ -104,7 +106,7 @@ class Request:
 class Response:
     """One plan item: an operation on one or more (fused) tensors, or an error for one name."""
 
-    op: str
+    kind: str
     process_set: int
     requests: tuple[Request, ...]  # one reference request per tensor, in fusion order
     first_dims: tuple[tuple[int, ...], ...] = ()  # allgather: [tensor][member] first dimension
@@ -146,7 +148,7 @@ class ResponseCache:
 
     def record(self, item: Response, mine: Callable[[Key], Request | None]) -> None:
         """Note a successful full response of the plan; every rank calls this in plan order."""
-        if item.error or item.op not in _CACHEABLE:
+        if item.error or not collective(item.kind).cacheable:
             return
         for ref in item.requests:
             key = ref.key
@@ -205,7 +207,7 @@ class Coordinator:
             if i < len(data) and data[i] is not None:
                 self.payload.setdefault(key, {})[rank] = data[i]
         for req in requests:
-            if req.op == "join":
+            if req.kind == "join":
                 if rank not in self.joined:
                     self.joined.append(rank)
                 continue
@@ -279,14 +281,14 @@ class Coordinator:
             payload = self.payload.pop(key, None)
             cached = self.via_bits.pop(key, set()) >= set(slot) and bool(slot)
             item = self._respond(key, slot, cached)
-            if item.error or item.op not in ("allreduce", "allgather"):
+            if item.error or not collective(item.kind).fusable:
                 items.append(item)
                 continue
             ref = item.requests[0]
-            cached_allreduce = cached and item.op == "allreduce"
+            cached_allreduce = cached and item.kind == "allreduce"
             eager = (cached_allreduce and not item.joined and payload is not None
                      and len(payload) == len(slot) and ref.reduce_op != ReduceOp.ADASUM)
-            fkey = (item.op, key[0], ref.wire_dtype, ref.reduce_op, ref.prescale,
+            fkey = (item.kind, key[0], ref.wire_dtype, ref.reduce_op, ref.prescale,
                     ref.postscale, ref.device, item.joined, cached_allreduce, eager)
             fusable.setdefault(fkey, []).append((item, payload if eager else None))
         for fkey, members in fusable.items():
@@ -329,32 +331,33 @@ class Coordinator:
             if problem:
                 return _error(first, problem[1], problem[0])
         joined = tuple(r for r in members if r not in slot)
-        if joined and first.op not in _JOINABLE:
+        entry = collective(first.kind)
+        if joined and not entry.joinable:
+            joinable = sorted(k for k, c in COLLECTIVES.items() if c.joinable)
             return _error(
                 first,
-                f"ranks {list(joined)} have joined, so they cannot take part in {first.op} "
-                f"{first.name!r}; only allreduce, allgather, broadcast and barrier proceed past "
-                "join()",
+                f"ranks {list(joined)} have joined, so they cannot take part in {first.kind} "
+                f"{first.name!r}; only {', '.join(joinable)} proceed past join()",
                 "TensorError",
             )
-        if first.op == "broadcast" and first.root in joined:
+        if entry.rooted and first.root in joined:
             return _error(
                 first,
-                f"broadcast of {first.name!r}: root rank {first.root} has joined, so it has no "
-                "tensor to send; broadcast from a rank that has not called join()",
+                f"{first.kind} of {first.name!r}: root rank {first.root} has joined, so it has "
+                f"no tensor to send; use a root that has not called join()",
                 "TensorError",
             )
         self.known[key] = dict(slot)
-        if first.op == "allgather":
+        if entry.shape == "rows":
             dims = tuple(slot[r].shape[0] if r in slot else 0 for r in members)
-            return Response("allgather", key[0], (first,), first_dims=(dims,), joined=joined)
-        if first.op == "add_process_set":
+            return Response(first.kind, key[0], (first,), first_dims=(dims,), joined=joined)
+        if first.kind == "add_process_set":
             self.next_set_id += 1
-            return Response(first.op, key[0], (first,), value=self.next_set_id - 1)
-        return Response(first.op, key[0], (first,), joined=joined)
+            return Response(first.kind, key[0], (first,), value=self.next_set_id - 1)
+        return Response(first.kind, key[0], (first,), joined=joined)
 
     def _fuse(
-        self, op: str, cached: bool,
+        self, kind: str, cached: bool,
         items: list[tuple[Response, dict[int, np.ndarray] | None]],
     ) -> list[Response | CachedAllreduce]:
         out: list[Response | CachedAllreduce] = []
@@ -384,7 +387,7 @@ class Coordinator:
 
         for item, payload in items:
             nbytes = item.requests[0].nbytes
-            if op == "allgather":
+            if kind == "allgather":
                 nbytes = nbytes // max(item.requests[0].shape[0], 1) * sum(item.first_dims[0])
             if batch and (limit == 0 or total + nbytes > limit):
                 flush()
@@ -445,22 +448,19 @@ class Coordinator:
         return warnings, ""
 
 
-_COMPARED = ("op", "dtype", "reduce_op", "root", "prescale", "postscale", "compression",
-             "device", "group", "group_size")
-
-
 def validate(name: str, slot: dict[int, Request]) -> tuple[str, str] | None:
     """(error class name, message) if the ranks' requests for ``name`` disagree, else None."""
     for rank in sorted(slot):
         if slot[rank].error:
             return "TensorError", f"rank {rank}: {slot[rank].error}"
+    entry = collective(slot[min(slot)].kind)
     fields: list[tuple[str, Callable[[Request], object]]] = [
-        (f, lambda r, f=f: getattr(r, f)) for f in _COMPARED
+        ("collective" if f == "kind" else f, lambda r, f=f: getattr(r, f))
+        for f in entry.compared
     ]
-    op = slot[min(slot)].op
-    if op in ("allgather", "alltoall"):
+    if entry.shape == "rows":
         fields.append(("shape[1:]", lambda r: r.shape[1:]))
-    else:
+    elif entry.shape == "full":
         fields.append(("shape", lambda r: r.shape))
     for field, get in fields:
         values: dict[object, list[int]] = {}
@@ -492,4 +492,4 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _error(req: Request, message: str, error_type: str) -> Response:
-    return Response(req.op, req.process_set, (req,), error=message, error_type=error_type)
+    return Response(req.kind, req.process_set, (req,), error=message, error_type=error_type)

@@ -106,7 +106,7 @@ def test_cache_capacity_zero_negotiates_every_time(tmp_path: Path) -> None:
 
 # field -> (value on ranks 0..n-2, value on rank n-1), as the message prints them
 MISMATCHES = {
-    "op": ("'allreduce'", "'allgather'"),
+    "collective": ("'allreduce'", "'allgather'"),
     "reduce_op": ("1", "4"),
     "dtype": ("'float32'", "'float64'"),
     "shape": ("(4,)", "(5,)"),

@@ -128,7 +128,7 @@ SHM_MODE = """
     rf.init()
     x = np.arange(1 << 20, dtype=np.float32)
     ok = np.array_equal(rf.allreduce(x * (rf.rank() + 1), name="x", op=rf.Sum), x * 3)
-    print(f"rank {rf.rank()} single copy {rf._engine.backends.shm.single_copy} ok {ok}")
+    print(f"rank {rf.rank()} single copy {rf.runtime.running().backends.shm.single_copy} ok {ok}")
     rf.shutdown()
 """
 

@@ -28,7 +28,7 @@ def coordinator(size: int = 3, threshold: int = 1 << 20, capacity: int = 64,
 
 
 def ar(name: str, n: int = 4, dtype: str = "float32", **fields: object) -> Request:
-    return Request(name=name, op="allreduce", dtype=dtype, shape=(n,), **fields)
+    return Request(name=name, kind="allreduce", dtype=dtype, shape=(n,), **fields)
 
 
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3))))

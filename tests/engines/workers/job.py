@@ -74,7 +74,7 @@ def checks(rf, size: int | None = None, train: bool = False) -> str:
     if train:
         train_matches_one_process(rf)
     return (f"PASS rank {r}/{n} local {rf.local_rank()}/{rf.local_size()} cross "
-            f"{rf.cross_rank()}/{rf.cross_size()} via {rf._info.detector}")
+            f"{rf.cross_rank()}/{rf.cross_size()} via {rf.runtime.info().detector}")
 
 
 def main() -> None:

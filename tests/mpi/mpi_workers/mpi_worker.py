@@ -29,7 +29,7 @@ from ringflow.algorithms import even_split
 
 
 def transport_name() -> str:
-    return type(rf._engine.transport).__name__
+    return type(rf.runtime.running().transport).__name__
 
 
 def suite(ps: rf.ProcessSet, tag: str, big: int) -> dict[str, str]:

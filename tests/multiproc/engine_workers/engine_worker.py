@@ -127,7 +127,8 @@ def _mismatch_cases(r: int, n: int) -> list[tuple[str, str, Any]]:
     last = r == n - 1
     x = np.arange(4, dtype=np.float32)
     return [
-        ("op", "m.op", lambda: (rf.allgather if last else rf.allreduce)(x, name="m.op")),
+        ("collective", "m.op",
+         lambda: (rf.allgather if last else rf.allreduce)(x, name="m.op")),
         ("reduce_op", "m.reduce_op",
          lambda: rf.allreduce(x, name="m.reduce_op", op=rf.Max if last else rf.Sum)),
         ("dtype", "m.dtype",

@@ -1,0 +1,201 @@
+"""The process's place in a job: :func:`init`, :func:`shutdown` and what they hold.
+
+One engine per process at a time. :func:`init` detects the job (:mod:`ringflow.topology`), reaches
+the rendezvous store (:mod:`ringflow.bootstrap`), places the ranks on hosts if the launcher did
+not, connects the backends (:mod:`ringflow.backends`) and starts the
+:class:`~ringflow.engine.Engine`; :func:`shutdown` stops it, and a later :func:`init` forms a
+fresh job of the same ranks (DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .client import Client, local_client
+from .config import Config
+from .errors import ConfigError, NotInitializedError
+from .topology import RankInfo
+
+if TYPE_CHECKING:
+    from .process_sets import ProcessSet
+
+__all__ = ["cross_rank", "cross_size", "get_client", "info", "init", "is_initialized",
+           "local_rank", "local_size", "rank", "running", "shutdown", "size", "start_timeline",
+           "stats", "stop_timeline"]
+
+_state_lock = threading.Lock()
+_engine: Any = None
+_info: Any = None
+_client: Any = None
+_generation = itertools.count()
+
+
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
+         rank: int | None = None, size: int | None = None, init_method: str | None = None,
+         local_rank: int | None = None, local_size: int | None = None) -> None:
+    """Join the job that started this process: ringflow-run, mpirun, srun, torchrun, torch's
+    env:// contract, a process where torch.distributed is initialised, ... (the detectors and
+    where each finds its peers: ringflow.topology and ringflow.bootstrap).
+
+    Calling it again while initialized does nothing. ``process_sets`` are added (collectively)
+    right after. ``comm``, an mpi4py intracommunicator, makes the job of just its ranks
+    (Horovod's ``hvd.init(comm=...)``): every rank of ``comm`` must call ``init(comm=comm)``;
+    ranks, local and cross values come from the communicator, and the transport is ``mpi`` over
+    a private duplicate of it unless RINGFLOW_TRANSPORT names another one.
+
+    For processes a script starts itself (torch.distributed's and MegEngine's style): ``rank``
+    and ``size`` (both, or neither) with ``init_method`` ``"env://"`` (MASTER_ADDR and
+    MASTER_PORT; the default), ``"tcp://HOST:PORT"`` (rank 0's host and a free port there) or
+    ``"file:///PATH"`` (a fresh directory every rank sees). ``local_rank``/``local_size``
+    default to what the ranks' host names say.
+
+    Raises:
+        ConfigError: a RINGFLOW_* variable, the launcher environment or an argument is invalid,
+            or a variable says the job has several processes and none is joined.
+        PeerError / RingflowTimeoutError: the other ranks could not be reached within timeout_s.
+    """
+    global _engine, _info, _client
+    from . import topology
+    from .backends import connect
+    from .engine import Engine
+
+    with _state_lock:
+        if _engine is not None:
+            return
+        config = Config.from_env()
+        logging.getLogger("ringflow").setLevel(config.log_level.upper())
+        if comm is not None:
+            from .bootstrap import comm_info
+
+            info = comm_info(comm)
+        elif rank is not None or size is not None:
+            info = topology.explicit(rank, size, local_rank, local_size)
+            init_method = init_method or "env://"
+        else:
+            if init_method or local_rank is not None or local_size is not None:
+                raise ConfigError("init(init_method=..., local_rank=..., local_size=...) needs "
+                                  "rank= and size= too")
+            info = topology.detect()
+        generation = next(_generation)
+        prefix, store = f"init{generation}/", None
+        if info.size == 1 and not info.placed:
+            info = topology.place(info, [info.hostname])
+        elif info.size > 1:
+            from .bootstrap import connect_store
+
+            store = connect_store(info, config.timeout_s, comm=comm, init_method=init_method)
+            if not info.placed:
+                store.set(f"{prefix}host/{info.rank}", info.hostname.encode())
+                info = topology.place(info, [store.get(f"{prefix}host/{r}").decode()
+                                             for r in range(info.size)])
+        if config.bind_to == "core":
+            cpus = topology.bind_to_cores(info)
+            logging.getLogger("ringflow").info("rank %d bound to CPUs %s", info.rank, cpus)
+        backends = connect(info, store, config, prefix, comm=comm)
+        _info = info
+        _client = Client(store) if store is not None else local_client(config.timeout_s)
+        _engine = Engine(info.rank, info.size, backends, config)
+        from . import submission
+
+        submission.reset_names()
+    from .process_sets import add_process_set
+
+    for ps in process_sets or ():
+        add_process_set(ps)
+
+
+def get_client() -> Client:
+    """The job's key-value client (MegEngine's ``dist.get_client()``): ``user_set(key, value)``
+    and ``user_get(key, timeout=None)`` on the store every rank reached at ``init()``."""
+    running()
+    return _client
+
+
+def shutdown() -> None:
+    """Stop the engine; pending operations fail with ShutdownError. Safe to call twice."""
+    global _engine
+    with _state_lock:
+        engine, _engine = _engine, None
+    if engine is not None:
+        engine.shutdown()
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    return _engine is not None
+
+
+def running() -> Any:
+    """The running :class:`~ringflow.engine.Engine`.
+
+    Raises:
+        NotInitializedError: :func:`init` has not been called (or :func:`shutdown` was).
+    """
+    if _engine is None:
+        raise NotInitializedError("ringflow has not been initialized; call ringflow.init() first")
+    return _engine
+
+
+def rank() -> int:
+    running()
+    return int(_info.rank)
+
+
+def size() -> int:
+    running()
+    return int(_info.size)
+
+
+def local_rank() -> int:
+    running()
+    return int(_info.local_rank)
+
+
+def local_size() -> int:
+    running()
+    return int(_info.local_size)
+
+
+def cross_rank() -> int:
+    running()
+    return int(_info.cross_rank)
+
+
+def cross_size() -> int:
+    running()
+    return int(_info.cross_size)
+
+
+def stats() -> dict[str, int]:
+    """Engine counters (collectives run, tensors, cache hits, negotiations, ...), for tests."""
+    eng = running()
+    out = dict(eng.stats)
+    if eng.coordinator is not None:
+        out.update(eng.coordinator.stats)
+    out["cached_names"] = len(eng.cache.key_of)
+    return out
+
+
+def info() -> RankInfo:
+    """This process's :class:`~ringflow.topology.RankInfo` (``detector`` names the launcher)."""
+    running()
+    return _info  # type: ignore[no-any-return]
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Write a Chrome-trace timeline of this rank's operations to ``file_path`` (rank 0) or
+    ``file_path`` with ``.rank<r>`` before the suffix (other ranks). ``mark_cycles`` is accepted
+    for Horovod compatibility; ringflow has no cycles to mark (negotiation is event-driven)."""
+    running().timeline(str(file_path))
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline started by :func:`start_timeline` or RINGFLOW_TIMELINE_PATH."""
+    running().timeline(None)

@@ -1,0 +1,158 @@
+"""From a call to a request: naming, local checks, and submission to the engine.
+
+Every collective of the numpy API goes through :func:`submit` (or :func:`submit_group`): the
+kind is looked up in :data:`ringflow.collectives.COLLECTIVES` (an unknown kind fails here), the
+array is checked on this rank (a failure travels with the request, so every member fails the
+operation with the same text), and the engine gets a :class:`~ringflow.negotiation.Request`.
+Unnamed tensors get deterministic names from (kind, process set, call order).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import ops as _ops
+from .collectives import collective, local_error
+from .errors import AdasumError, RingflowError, TensorError
+from .handles import Handle
+from .negotiation import Request
+from .ops import ReduceOp
+from .process_sets import ProcessSet, set_id
+from .runtime import rank, running, size
+
+__all__ = ["GroupHandle", "name_of", "reset_names", "scales", "submit", "submit_group"]
+
+_counters: dict[str, itertools.count] = {}
+
+
+def reset_names() -> None:
+    """A fresh job (``init()``): unnamed tensors are counted from 0 again on every rank."""
+    _counters.clear()
+
+
+def name_of(kind: str, name: str | None, ps: int) -> str:
+    """``name``, or the next deterministic name of an unnamed ``kind`` in process set ``ps``."""
+    if name:
+        return str(name)
+    counter = _counters.setdefault(f"{kind}/{ps}", itertools.count())
+    return f"{kind}.noname.{next(counter)}"
+
+
+def as_array(array: Any, what: str) -> tuple[np.ndarray | None, str]:
+    """The array as a C-contiguous numpy array, or None and the reason it cannot be used."""
+    try:
+        arr = np.asarray(array)  # ascontiguousarray would turn a 0-d array into shape (1,)
+        if not arr.flags.c_contiguous:
+            arr = np.array(arr, order="C")
+        _ops.check_dtype(arr.dtype, what)
+    except (RingflowError, TypeError, ValueError) as exc:
+        return None, str(exc)
+    return arr, ""
+
+
+def request(kind: str, array: Any, name: str, process_set: ProcessSet, out: Any = None,
+            **fields: Any) -> tuple[Request, np.ndarray | None, Any]:
+    """The request for ``array`` (carrying the reason if it cannot take part), input, output."""
+    arr, error = as_array(array, f"tensor {name!r}")
+    if out is not None and not error and (
+        not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.shape != arr.shape
+    ):
+        error = f"the output for {name!r} must be a C-contiguous array of shape {arr.shape}"
+    if not error:
+        error = local_error(kind, arr, name, process_set._members(), size(), fields)
+    req = Request(
+        name=name, kind=kind, dtype="" if arr is None else _ops.dtype_name(arr.dtype),
+        shape=() if arr is None else tuple(arr.shape), process_set=process_set.process_set_id,
+        error=error, **fields,
+    )
+    return req, arr, out
+
+
+def _member_set(kind: str, what: str, name: str | None, process_set: ProcessSet,
+                fields: dict) -> int:
+    collective(kind)  # an unknown kind fails here, at the call
+    ps = set_id(process_set)
+    n = process_set.size()
+    if kind == "allreduce" and fields.get("reduce_op") == ReduceOp.ADASUM and n & (n - 1):
+        # Every member knows the size, so every member raises here alike and nobody waits.
+        raise AdasumError(f"Running Adasum with non-power of 2 ranks is not supported yet "
+                          f"({what} {name or '(unnamed)'} on {n} ranks)")
+    if not process_set.included():
+        # Only this rank knows: the members never submit this name, so it is refused here
+        # rather than sent to the coordinator, where it would wait for them forever.
+        raise TensorError(f"{what} {name or '(unnamed)'}: rank {rank()} is not a member of "
+                          f"{process_set}; call it only where process_set.included() is true")
+    return ps
+
+
+def submit(kind: str, array: Any, name: str | None, process_set: ProcessSet, out: Any = None,
+           **fields: Any) -> Handle:
+    """Hand one tensor to the engine; its handle.
+
+    Raises:
+        TensorError: unknown kind, a process set this rank is not in, a name in flight.
+        AdasumError: Adasum on a set whose size is not a power of two.
+        NotInitializedError / HorovodInternalError: no job, or the job has failed.
+    """
+    eng = running()
+    ps = _member_set(kind, kind, name, process_set, fields)
+    return eng.enqueue(*request(kind, array, name_of(kind, name, ps), process_set, out, **fields))
+
+
+def submit_group(kind: str, arrays: Sequence[Any], name: str | None, process_set: ProcessSet,
+                 outs: Sequence[Any] | None = None, **fields: Any) -> GroupHandle:
+    """Submit ``arrays`` as one group: negotiated together, and refused together at the call."""
+    eng = running()
+    ps = _member_set(kind, f"grouped_{kind}", name, process_set, fields)
+    base = name_of(f"grouped_{kind}", name, ps)
+    items = [request(kind, a, f"{base}.{i}", process_set, None if outs is None else outs[i],
+                     group=base, group_size=len(arrays), **fields)
+             for i, a in enumerate(arrays)]
+    return GroupHandle(base, eng.enqueue_many(items))
+
+
+def scales(op: ReduceOp | int | None, prescale: float, postscale: float) -> dict[str, Any]:
+    op = ReduceOp.AVERAGE if op is None else ReduceOp(op)
+    return {"reduce_op": int(op), "prescale": float(prescale), "postscale": float(postscale)}
+
+
+class GroupHandle(Handle):
+    """A handle over several handles; its result is the list of their results."""
+
+    def __init__(self, name: str, handles: list[Handle]) -> None:
+        super().__init__(name)
+        self.handles = handles
+
+    def poll(self) -> bool:
+        return all(h.poll() for h in self.handles)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        if timeout is None:
+            return [h.wait() for h in self.handles]
+        deadline = time.monotonic() + timeout  # one deadline for the group, not one per tensor
+        return [h.wait(max(0.0, deadline - time.monotonic())) for h in self.handles]
+
+    result = wait
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(group_handle)`` once every tensor of the group is done."""
+        left = [len(self.handles)]
+        lock = threading.Lock()
+
+        def one(_: Handle) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn(self)
+
+        if not self.handles:
+            fn(self)
+        for h in self.handles:
+            h.add_done_callback(one)
