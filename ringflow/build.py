@@ -22,9 +22,13 @@ def mpi_built() -> bool:
 
 def mpi_enabled() -> bool:
     """True when the running job moves data over MPI (the ``mpi`` transport is in use)."""
+    from . import runtime
+
+    if not runtime.is_initialized():
+        return False
     from .transport import mpi
 
-    return mpi.enabled()
+    return isinstance(runtime.running().transport, mpi.MpiTransport)
 
 
 def mpi_threads_supported() -> bool:

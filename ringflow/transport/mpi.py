@@ -90,7 +90,6 @@ __all__ = [
     "MpiTransport",
     "available",
     "create",
-    "enabled",
     "unusable_reason",
 ]
 
@@ -200,14 +199,6 @@ def available() -> str | None:
     except (ImportError, ValueError):
         return None
     return _library_version_subprocess()
-
-
-def enabled() -> bool:
-    """True when the running ringflow job (``ringflow.init()``) uses the mpi transport."""
-    import ringflow
-
-    engine = ringflow._engine
-    return engine is not None and isinstance(engine.transport, MpiTransport)
 
 
 class _Work:
