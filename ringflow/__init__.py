@@ -52,14 +52,62 @@ from .submission import GroupHandle, name_of, scales, submit, submit_group
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adasum", "Average", "Compression", "Config", "Handle", "Max", "Min", "ProcessSet", "Product",
-    "ReduceOp", "RingflowError", "Sum", "__version__", "add_process_set", "allgather",
-    "allgather_async", "allreduce", "allreduce_async", "alltoall", "alltoall_async", "barrier",
-    "broadcast", "broadcast_async", "cross_rank", "cross_size", "get_client", "global_process_set",
-    "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_async",
-    "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_initialized", "join",
-    "launcher", "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
-    "remove_process_set", "run", "shutdown", "size", "start_timeline", "stats", "stop_timeline",
+    "Adasum",
+    "Average",
+    "Compression",
+    "Config",
+    "Handle",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "RingflowError",
+    "Sum",
+    "__version__",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allreduce",
+    "allreduce_async",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_async",
+    "cross_rank",
+    "cross_size",
+    "gather",
+    "gather_async",
+    "get_client",
+    "global_process_set",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "init",
+    "is_initialized",
+    "join",
+    "launcher",
+    "local_rank",
+    "local_size",
+    "poll",
+    "rank",
+    "reduce",
+    "reduce_async",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "run",
+    "scatter",
+    "scatter_async",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stats",
+    "stop_timeline",
     "synchronize",
 ]
 
@@ -173,6 +221,68 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
 
 def grouped_reducescatter(tensors: Sequence[Any], *args: Any, **kwargs: Any) -> list[np.ndarray]:
     return grouped_reducescatter_async(tensors, *args, **kwargs).wait()
+
+
+def reduce_async(tensor: Any, root_rank: int, op: ReduceOp | None = None,
+                 name: str | None = None, process_set: ProcessSet = global_process_set,
+                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                 compression: Compressor = Compression.none) -> Handle:
+    """Reduce ``tensor`` over ``process_set`` onto ``root_rank`` (a global rank; default op
+    Average). The handle's result is the reduction on the root and None elsewhere; its bits
+    equal those of an allreduce of the same tensors."""
+    return submit("reduce", tensor, name, process_set, root=int(root_rank),
+                  compression=compression.name,
+                  **scales(op, prescale_factor, postscale_factor))
+
+
+def reduce(tensor: Any, root_rank: int, *args: Any, **kwargs: Any) -> np.ndarray | None:
+    return reduce_async(tensor, root_rank, *args, **kwargs).wait()
+
+
+def gather_async(tensor: Any, root_rank: int, name: str | None = None,
+                 process_set: ProcessSet = global_process_set) -> Handle:
+    """Concatenate every rank's ``tensor`` along the first dimension (lengths may differ) on
+    ``root_rank`` (a global rank); the result is None on the other ranks."""
+    if np.ndim(tensor) == 0:
+        tensor = np.reshape(tensor, (1,))
+    return submit("gather", tensor, name, process_set, root=int(root_rank))
+
+
+def gather(tensor: Any, root_rank: int, *args: Any, **kwargs: Any) -> np.ndarray | None:
+    return gather_async(tensor, root_rank, *args, **kwargs).wait()
+
+
+def scatter_async(tensors: Sequence[Any] | None, root_rank: int, name: str | None = None,
+                  process_set: ProcessSet = global_process_set) -> Handle:
+    """``root_rank`` (a global rank) passes one array per rank of ``process_set``, in set rank
+    order (same dtype and trailing dimensions; first dimensions may differ); every rank gets
+    its piece. ``tensors`` is ignored elsewhere (None is fine)."""
+    root = int(root_rank)
+    if rank() != root:
+        return submit("scatter", np.empty(0, np.uint8), name, process_set, root=root)
+    pieces, error = _pieces(tensors, process_set.size())
+    joined = np.concatenate(pieces) if not error else np.empty(0, np.uint8)
+    return submit("scatter", joined, name, process_set, root=root, error=error,
+                  splits=tuple(int(p.shape[0]) for p in pieces) if not error else ())
+
+
+def scatter(tensors: Sequence[Any] | None, root_rank: int, *args: Any,
+            **kwargs: Any) -> np.ndarray:
+    return scatter_async(tensors, root_rank, *args, **kwargs).wait()
+
+
+def _pieces(tensors: Sequence[Any] | None, n: int) -> tuple[list[np.ndarray], str]:
+    """The root's pieces for scatter, or why they cannot be scattered."""
+    pieces = [np.asarray(t) for t in tensors or ()]
+    pieces = [p.reshape(1) if p.ndim == 0 else p for p in pieces]
+    if len(pieces) != n:
+        return [], (f"scatter: the root passed {len(pieces)} arrays for a process set of {n} "
+                    "ranks; pass one array per rank, in rank order")
+    kinds = {(p.dtype, p.shape[1:]) for p in pieces}
+    if len(kinds) > 1:
+        return [], ("scatter: the root's arrays must share their dtype and all but the first "
+                    f"dimension, got {sorted((str(d), s) for d, s in kinds)}")
+    return pieces, ""
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

@@ -12,7 +12,8 @@ Every request names a *kind*; :data:`COLLECTIVES` says for each:
 - ``fusable``: ready requests of this kind (same set, dtype, op, scales, device) become one item;
 - ``data``: it moves data on the data plane (the executor must run it: checked at import of
   :mod:`ringflow.executor`); otherwise the plan item alone completes it;
-- ``rooted``: ``root`` names a global rank that must be a member of the process set;
+- ``rooted``: ``root`` names a global rank that must be a member of the process set; the root's
+  request is the reference the plan carries (for ``scatter`` only the root knows the shapes);
 - ``check``: local checks on this rank's tensor before submission (a failure travels with the
   request, so every member fails the operation with the same text).
 
@@ -104,6 +105,13 @@ COLLECTIVES: dict[str, Collective] = {c.kind: c for c in (
     Collective("alltoall", shape="rows", checks=(_has_rows("alltoall"), _splits)),
     Collective("reducescatter", cacheable=True,
                checks=(_no_bool_scaling, _no_adasum("reducescatter"), _has_rows("reducescatter"))),
+    Collective("reduce", cacheable=True, rooted=True,
+               checks=(_no_bool_scaling, _no_adasum("reduce"))),
+    Collective("gather", shape="rows", cacheable=True, rooted=True),
+    # Only the root knows the dtype and the pieces' shapes (in its request: the concatenation
+    # and ``splits``); the others learn them from the plan.
+    Collective("scatter", shape="any", cacheable=True, rooted=True,
+               compared=("kind", "root", "device", "group", "group_size")),
     Collective("barrier", shape="any", joinable=True, data=False),
     Collective("join", shape="any", data=False),
     Collective("add_process_set", shape="any", data=False),

@@ -83,6 +83,21 @@ class Executor:
         algorithms.broadcast(t, out.reshape(-1), self._root(item))
         return [out]
 
+    def _reduce(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
+        # The allreduce implementation, kept on the root: the root's bits equal an allreduce's.
+        (out,) = self._allreduce(t, item, entries)
+        return [out if t.rank == self._root(item) else None]
+
+    def _gather(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
+        (entry,) = entries
+        return [algorithms.gather(t, entry.array, item.first_dims[0], self._root(item))]
+
+    def _scatter(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
+        (entry,), ref = entries, item.requests[0]  # the root's request (collectives.py)
+        root = self._root(item)
+        return [algorithms.scatter(t, entry.array if t.rank == root else None, ref.splits, root,
+                                   ref.shape[1:], DTYPES[ref.dtype])]
+
     def _alltoall(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
         (entry,) = entries
         # Splits differ by rank: each rank sends by its own request, not the reference one.
@@ -184,7 +199,8 @@ class Executor:
 #: How each collective that moves data runs (collectives.COLLECTIVES says which do).
 _RUN = {"allreduce": Executor._allreduce, "allgather": Executor._allgather,
         "broadcast": Executor._broadcast, "alltoall": Executor._alltoall,
-        "reducescatter": Executor._reducescatter}
+        "reducescatter": Executor._reducescatter, "reduce": Executor._reduce,
+        "gather": Executor._gather, "scatter": Executor._scatter}
 _MISSING = {k for k, c in COLLECTIVES.items() if c.data} ^ set(_RUN)
 if _MISSING:  # a collective in the table that the executor cannot run, or the other way round
     raise ImportError(f"ringflow.executor and ringflow.collectives disagree on {_MISSING}")

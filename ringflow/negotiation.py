@@ -348,6 +348,8 @@ class Coordinator:
                 "TensorError",
             )
         self.known[key] = dict(slot)
+        if entry.rooted:
+            first = slot[first.root]  # validated: a member, and every member names it
         if entry.shape == "rows":
             dims = tuple(slot[r].shape[0] if r in slot else 0 for r in members)
             return Response(first.kind, key[0], (first,), first_dims=(dims,), joined=joined)

@@ -58,7 +58,10 @@ def as_array(array: Any, what: str) -> tuple[np.ndarray | None, str]:
 
 def request(kind: str, array: Any, name: str, process_set: ProcessSet, out: Any = None,
             **fields: Any) -> tuple[Request, np.ndarray | None, Any]:
-    """The request for ``array`` (carrying the reason if it cannot take part), input, output."""
+    """The request for ``array`` (carrying the reason if it cannot take part), input, output.
+
+    ``fields`` may carry an ``error`` the caller found already (it wins)."""
+    given = fields.pop("error", "")
     arr, error = as_array(array, f"tensor {name!r}")
     if out is not None and not error and (
         not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.shape != arr.shape
@@ -66,6 +69,7 @@ def request(kind: str, array: Any, name: str, process_set: ProcessSet, out: Any 
         error = f"the output for {name!r} must be a C-contiguous array of shape {arr.shape}"
     if not error:
         error = local_error(kind, arr, name, process_set._members(), size(), fields)
+    error = given or error
     req = Request(
         name=name, kind=kind, dtype="" if arr is None else _ops.dtype_name(arr.dtype),
         shape=() if arr is None else tuple(arr.shape), process_set=process_set.process_set_id,

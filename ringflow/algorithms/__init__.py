@@ -3,7 +3,8 @@
 - :mod:`.ring`: :func:`allreduce` (ring reduce-scatter + allgather, pipelined, bitwise identical
   on every rank) and :func:`reducescatter`.
 - :mod:`.gather`: :func:`allgather` (ring, uneven first dimensions), :func:`broadcast` (pipelined
-  chain), :func:`alltoall` (pairwise, uneven splits) and :func:`barrier` (dissemination).
+  chain), :func:`gather` / :func:`scatter` (to / from a root, uneven first dimensions),
+  :func:`alltoall` (pairwise, uneven splits) and :func:`barrier` (dissemination).
 - :mod:`.adasum`: :func:`adasum` (Adasum, vector halving / distance doubling, per tensor).
 - :mod:`.buffers`: how arrays are cut into messages; :data:`~.buffers.CHUNK_BYTES` is the pipeline
   chunk size (patch ``ringflow.algorithms.buffers.CHUNK_BYTES`` to change it).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from .adasum import adasum
 from .buffers import CHUNK_BYTES, even_split
-from .gather import allgather, alltoall, barrier, broadcast
+from .gather import allgather, alltoall, barrier, broadcast, gather, scatter
 from .ring import allreduce, reducescatter
 
 __all__ = [
@@ -27,5 +28,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "even_split",
+    "gather",
     "reducescatter",
+    "scatter",
 ]

@@ -1,4 +1,5 @@
-"""Collectives that move data without reducing it: allgather(v), broadcast, alltoall(v), barrier.
+"""Collectives that move data without reducing it: allgather(v), broadcast, gather(v) and
+scatter(v) to and from a root, alltoall(v), barrier.
 
 Notation: ``n`` ranks, this rank ``r``. Arrays are split and concatenated along their first
 dimension ("rows"); the other dimensions and the dtype are the same on every rank (the caller, in
@@ -15,6 +16,11 @@ broadcast (pipelined chain): ``root -> root+1 -> ... -> root-1``, in chunks of `
 each rank forwards a chunk as soon as it has arrived. Cost: every rank but the last in the chain
 sends ``B`` bytes in ``ceil(B / CHUNK_BYTES)`` messages; time ~ ``(n - 2 + chunks)`` chunk
 transfers.
+
+gather (to a root): every other rank sends its ``counts[q]`` rows to ``root`` in chunks; the root
+posts every receive at once, straight into place in the concatenation. Cost: each non-root sends
+its own rows; the root receives ``B_total - B_root`` bytes. scatter (from a root) is its mirror:
+the root sends block ``q`` (``counts[q]`` rows) to rank ``q``; each receives its block in place.
 
 alltoall (pairwise): first every rank tells every other how many rows it will send it (one 8-byte
 message per pair, all posted at once), then steps ``k = 1 .. n-1``: send ``splits[(r+k) % n]``
@@ -42,7 +48,7 @@ from . import buffers
 from .buffers import as_bytes, chunk_ranges
 from .ring import allgather_ring
 
-__all__ = ["allgather", "alltoall", "barrier", "broadcast"]
+__all__ = ["allgather", "alltoall", "barrier", "broadcast", "gather", "scatter"]
 
 
 def _rows_array(buf: np.ndarray, what: str) -> np.ndarray:
@@ -123,6 +129,72 @@ def broadcast(t: Link, buf: np.ndarray, root: int) -> None:
                 sends.append(t.isend(as_bytes(flat[lo:hi]), nxt))
     for work in sends:
         work.wait()
+
+
+def _blocks(counts: Sequence[int], row: int) -> list[tuple[int, int]]:
+    """Element bounds of each rank's block of rows in a concatenation."""
+    at = np.concatenate(([0], np.cumsum(counts))) * row
+    return [(int(at[q]), int(at[q + 1])) for q in range(len(counts))]
+
+
+def _chunked(t: Link, flat: np.ndarray, peer: int, send: bool) -> list:
+    """Post ``flat`` to or from ``peer`` as pipeline chunks (nothing for an empty block)."""
+    post = t.isend if send else t.irecv
+    per = buffers.chunk_elems(flat.itemsize)
+    return [post(as_bytes(flat[lo:hi]), peer) for lo, hi in chunk_ranges(0, flat.size, per)]
+
+
+def gather(t: Link, buf: np.ndarray, counts: Sequence[int], root: int) -> np.ndarray | None:
+    """Concatenate every rank's ``buf`` along the first dimension on ``root``, in rank order.
+
+    ``counts[q]`` is rank ``q``'s first-dimension length (TensorError if this rank's differs).
+    Returns the concatenation on ``root``, None elsewhere.
+    """
+    n, r = t.size, t.rank
+    buf = _rows_array(buf, "gather tensor")
+    counts = _counts(counts, n, "gather counts")
+    if counts[r] != buf.shape[0]:
+        raise TensorError(f"gather on rank {r}: counts[{r}] = {counts[r]} but the tensor has "
+                          f"{buf.shape[0]} rows (shape {buf.shape})")
+    row = math.prod(buf.shape[1:])
+    if r != root:
+        for work in _chunked(t, buf.reshape(-1), root, send=True):
+            work.wait()
+        return None
+    out = np.empty((sum(counts), *buf.shape[1:]), buf.dtype)
+    flat = out.reshape(-1)
+    blocks = _blocks(counts, row)
+    works = [w for q, (lo, hi) in enumerate(blocks) if q != r
+             for w in _chunked(t, flat[lo:hi], q, send=False)]
+    lo, hi = blocks[r]
+    flat[lo:hi] = buf.reshape(-1)
+    for work in works:
+        work.wait()
+    return out
+
+
+def scatter(t: Link, buf: np.ndarray | None, counts: Sequence[int], root: int,
+            rest: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Rank ``q`` receives rows ``counts[:q].sum() ..`` of ``root``'s ``buf`` (``counts[q]`` rows
+    of shape ``rest`` and dtype ``dtype``); ``buf`` is only read on ``root``. Returns this rank's
+    block (a copy on ``root``)."""
+    n, r = t.size, t.rank
+    counts = _counts(counts, n, "scatter counts")
+    row = math.prod(rest)
+    out = np.empty((counts[r], *rest), dtype)
+    if r != root:
+        for work in _chunked(t, out.reshape(-1), root, send=False):
+            work.wait()
+        return out
+    flat = _rows_array(buf, "scatter tensor").reshape(-1)
+    blocks = _blocks(counts, row)
+    works = [w for q, (lo, hi) in enumerate(blocks) if q != r
+             for w in _chunked(t, flat[lo:hi], q, send=True)]
+    lo, hi = blocks[r]
+    out.reshape(-1)[:] = flat[lo:hi]
+    for work in works:
+        work.wait()
+    return out
 
 
 def alltoall(

@@ -89,12 +89,15 @@ from .mpi_ops import (
     alltoall,
     barrier,
     broadcast,
+    gather,
     grouped_allgather,
     join,
     local_rank_op,
     local_size_op,
     process_set_included_op,
     rank_op,
+    reduce,
+    scatter,
     size_op,
 )
 from .sync_batch_norm import SyncBatchNormalization
@@ -133,6 +136,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "gather",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
@@ -154,9 +158,11 @@ __all__ = [
     "process_set_included_op",
     "rank",
     "rank_op",
+    "reduce",
     "reducescatter",
     "remove_process_set",
     "rocm_built",
+    "scatter",
     "shutdown",
     "size",
     "size_op",
@@ -165,9 +171,11 @@ __all__ = [
 ]
 
 
-def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
-    """Join the job (see :func:`ringflow.init`) and register ``process_sets``."""
-    _core.init(comm, process_sets=None)
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
+         **kwargs: Any) -> None:
+    """Join the job (see :func:`ringflow.init`, whose keyword arguments ``rank``, ``size``,
+    ``init_method``, ... pass through) and register ``process_sets``."""
+    _core.init(comm, process_sets=None, **kwargs)
     for ps in process_sets or ():
         add_process_set(ps)
 

@@ -48,12 +48,15 @@ __all__ = [
     "alltoall",
     "barrier",
     "broadcast",
+    "gather",
     "grouped_allgather",
     "join",
     "local_rank_op",
     "local_size_op",
     "process_set_included_op",
     "rank_op",
+    "reduce",
+    "scatter",
     "size_op",
 ]
 
@@ -283,6 +286,79 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 
     spec = kit.Spec("broadcast", op_name, process_set, root=root)
     return _differentiable(op_name, spec, run, [tensor], [tensor.dtype], _same_shape)[0]
+
+
+# reduce, gather, scatter (to and from a root; not differentiable) ---------------------------
+# Off the root these return a tensor with no elements (a graph op must return a tensor; the core
+# returns None), as ringflow.torch does.
+def _off_root(result: Any, rest: tuple[int, ...], dtype: tf.DType) -> np.ndarray:
+    if result is None:
+        return np.empty((0, *rest), dtype.as_numpy_dtype)
+    return np.asarray(result)
+
+
+@_plain
+def reduce(tensor: Any, root_rank: int, op: ReduceOp | int | None = None,
+           name: str | None = None, ignore_name_scope: bool = False,
+           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+           postscale_factor: float = 1.0) -> tf.Tensor:
+    """The reduction of ``tensor`` over the set on ``root_rank`` (a global rank; default op
+    Average); a tensor with no elements on the other ranks."""
+    tensor = tf.convert_to_tensor(tensor)
+    op_name = _op_name("Reduce", [tensor], name, ignore_name_scope)
+    reduce_op = kit.resolve_op(op, None)
+
+    def run(array: np.ndarray) -> list[np.ndarray]:
+        out = _core.reduce(array, int(root_rank), reduce_op, op_name, process_set,
+                           prescale_factor, postscale_factor)
+        return [_off_root(None if out is None else np.reshape(out, array.shape), (),
+                          tensor.dtype)]
+
+    return _call(run, [tensor], [tensor.dtype], op_name)[0]
+
+
+@_plain
+def gather(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
+           process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Every rank's ``tensor`` concatenated along dimension 0 (first dimensions may differ) on
+    ``root_rank``; a tensor of no rows on the other ranks."""
+    tensor = tf.convert_to_tensor(tensor)
+    op_name = _op_name("Gather", [tensor], name, ignore_name_scope)
+
+    def run(array: np.ndarray) -> list[np.ndarray]:
+        out = _core.gather(array, int(root_rank), op_name, process_set)
+        return [_off_root(out, tuple(array.shape[1:]), tensor.dtype)]
+
+    out = _call(run, [tensor], [tensor.dtype], op_name)[0]
+    _gathered_shape(out, tensor)
+    return out
+
+
+@_plain
+def scatter(tensors: Sequence[Any] | None, root_rank: int, name: str | None = None,
+            ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set,
+            dtype: Any = None) -> tf.Tensor:
+    """This rank's piece of the root's ``tensors`` (one per rank of the set, in set rank order;
+    ignored elsewhere). Inside ``tf.function`` the other ranks pass ``dtype`` (only the root's
+    tensors say what arrives)."""
+    pieces = [] if tensors is None else [tf.convert_to_tensor(t) for t in tensors]
+    if pieces:
+        dtype = pieces[0].dtype
+    elif dtype is None and not tf.executing_eagerly():
+        raise TensorError("scatter inside tf.function: ranks other than the root must pass "
+                          "dtype= (the dtype of the pieces they receive)")
+    op_name = _op_name("Scatter", pieces or [tf.constant(0)], name, ignore_name_scope)
+
+    def run(*arrays: np.ndarray) -> list[np.ndarray]:
+        out = _core.scatter(list(arrays) or None, int(root_rank), op_name, process_set)
+        if dtype is not None and out.dtype != tf.as_dtype(dtype).as_numpy_dtype:
+            raise TensorError(f"scatter {op_name!r}: the root sent {out.dtype}, but this rank "
+                              f"asked for dtype={tf.as_dtype(dtype).name}")
+        return [out]
+
+    if dtype is None:  # eagerly, off the root: whatever arrives
+        return tf.convert_to_tensor(run()[0])
+    return _call(run, pieces, [tf.as_dtype(dtype)], op_name)[0]
 
 
 # alltoall ------------------------------------------------------------------------------------

@@ -29,12 +29,39 @@ from ._tensors import from_numpy, prepare, to_numpy
 from .compression import Compression
 
 __all__ = [
-    "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "grouped_allgather", "grouped_allgather_async",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "join",
-    "poll", "reducescatter", "reducescatter_async", "sparse_allreduce_async", "synchronize",
+    "allgather",
+    "allgather_async",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "gather",
+    "gather_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "join",
+    "poll",
+    "reduce",
+    "reduce_async",
+    "reducescatter",
+    "reducescatter_async",
+    "scatter",
+    "scatter_async",
+    "sparse_allreduce_async",
+    "synchronize",
 ]
 
 
@@ -548,3 +575,63 @@ def join(device: int = -1) -> int:
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank of ``process_set`` has called barrier()."""
     _rf.barrier(process_set=process_set)
+
+
+# reduce, gather, scatter (to and from a root; not differentiable) -------------------------------
+# The core returns None off the root; these return an empty tensor there instead (the same in
+# ringflow.tensorflow, whose graph ops must return a tensor), so a result never looks like data.
+def _empty_off_root(like: torch.Tensor, rows: bool) -> Callable[[Any], torch.Tensor]:
+    shape = (0, *like.shape[1:]) if rows and like.dim() else (0,)
+
+    def finish(result: Any) -> torch.Tensor:
+        return torch.empty(shape, dtype=like.dtype) if result is None else _wrap(result)
+
+    return finish
+
+
+def reduce_async(tensor: torch.Tensor, root_rank: int, op: ReduceOp = Average,
+                 name: str | None = None, process_set: ProcessSet = global_process_set,
+                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> TorchHandle:
+    """Start reducing ``tensor`` over ``process_set`` onto ``root_rank`` (a global rank)."""
+    arr, _ = prepare(tensor, "reduce input")
+    core = _rf.reduce_async(arr, root_rank, op, kit.op_name("reduce", name), process_set,
+                            prescale_factor, postscale_factor)
+    return TorchHandle(core, _empty_off_root(tensor, rows=False))
+
+
+def reduce(tensor: torch.Tensor, root_rank: int, op: ReduceOp = Average, name: str | None = None,
+           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+           postscale_factor: float = 1.0) -> torch.Tensor:
+    """The reduction on ``root_rank``; an empty tensor on the other ranks."""
+    return synchronize(reduce_async(tensor, root_rank, op, name, process_set, prescale_factor,
+                                    postscale_factor))
+
+
+def gather_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                 process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start concatenating every rank's ``tensor`` (first dimensions may differ) on the root."""
+    arr, _ = prepare(tensor, "gather input")
+    core = _rf.gather_async(arr, root_rank, kit.op_name("gather", name), process_set)
+    return TorchHandle(core, _empty_off_root(tensor, rows=True))
+
+
+def gather(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+           process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """The concatenation on ``root_rank``; a tensor of no rows on the other ranks."""
+    return synchronize(gather_async(tensor, root_rank, name, process_set))
+
+
+def scatter_async(tensors: Sequence[torch.Tensor] | None, root_rank: int,
+                  name: str | None = None,
+                  process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start handing piece ``q`` of the root's ``tensors`` to rank ``q`` of the set."""
+    pieces = None if tensors is None else [prepare(t, f"scatter input {i}")[0]
+                                           for i, t in enumerate(tensors)]
+    core = _rf.scatter_async(pieces, root_rank, kit.op_name("scatter", name), process_set)
+    return TorchHandle(core, _wrap)
+
+
+def scatter(tensors: Sequence[torch.Tensor] | None, root_rank: int, name: str | None = None,
+            process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """This rank's piece of the root's ``tensors`` (one per rank of the set; ignored elsewhere)."""
+    return synchronize(scatter_async(tensors, root_rank, name, process_set))

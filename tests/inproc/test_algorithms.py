@@ -272,6 +272,52 @@ def test_allgather_with_empty_ranks() -> None:
         assert res.tolist() == [[1, 1]] * 3 + [[3, 3]]
 
 
+# --- gather / scatter -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_gather_and_scatter(transport: str, n: int, dtype: np.dtype) -> None:
+    # Ragged first dimensions (odd ranks half as many rows), every root in turn.
+    cases = [([length if q % 2 == 0 else length // 2 for q in range(n)], (length + 1) % n)
+             for length in lengths(n, BIG // 3)]
+
+    def body(t):
+        got = []
+        for counts, root in cases:
+            mine = block(t.rank, counts[t.rank], dtype)
+            gathered = algorithms.gather(t, mine, counts, root)
+            full = np.concatenate([block(q, counts[q], dtype) for q in range(n)])
+            piece = algorithms.scatter(t, full if t.rank == root else None, counts, root,
+                                       full.shape[1:], full.dtype)
+            got.append((gathered, piece))
+        return got
+
+    results = run_ranks(n, body, deadline=DEADLINE, transport=transport)
+    for k, (counts, root) in enumerate(cases):
+        what = f"gather/scatter root={root} n={n} counts={counts} {dtype}"
+        want = np.concatenate([block(q, counts[q], dtype) for q in range(n)])
+        for rank in range(n):
+            gathered, piece = results[rank][k]
+            if rank == root:
+                np.testing.assert_array_equal(gathered, want, err_msg=what)
+            else:
+                assert gathered is None, what
+            np.testing.assert_array_equal(piece, block(rank, counts[rank], dtype), err_msg=what)
+            assert piece.dtype == dtype, what
+
+
+def test_gather_talks_only_to_the_root() -> None:
+    def body(t):
+        return algorithms.gather(t, np.full((2, 3), t.rank, np.int32), [2] * 4, 2), t.world
+
+    results = run_ranks(4, body)
+    assert results[2][0][:, 0].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    world = results[0][1]
+    used = {pair for pair, (messages, _) in world.sent.items() if messages}
+    assert used == {(0, 2), (1, 2), (3, 2)}
+
+
 # --- broadcast --------------------------------------------------------------------------------
 
 
