@@ -66,7 +66,7 @@ from .errors import RingflowError, ShutdownError, from_wire
 from .executor import Entry, Executor, eager_input, unpack
 from .handles import Handle
 from .liveness import Liveness
-from .messages import Abort, Fatal, Heartbeat, Message, Plan, Submit, decode, encode
+from .messages import Abort, Fatal, Handover, Heartbeat, Message, Plan, Submit, decode, encode
 from .negotiation import CachedAllreduce, Coordinator, Request, Response, ResponseCache
 from .timeline import Timeline, path_for_rank
 
@@ -103,10 +103,13 @@ class Engine:
         self.process_sets: dict[int, list[int]] = {0: list(range(size))}
         self.executor = Executor(backends, self.process_sets)
         self.cache = ResponseCache(config.cache_capacity)
+        # The coordinator is rank 0, until it shuts down while others go on (Handover).
+        self.coord = 0
         self.coordinator = (
             Coordinator(size, self._members, config.fusion_threshold_bytes, self.cache)
             if rank == 0 else None
         )
+        self._early_submits: list[tuple[int, Submit]] = []  # before this rank took over
         # collectives: plan items completed (fused tensors count once); eager: those of them that
         # rank 0 reduced itself (see negotiation.EAGER_BYTES).
         self.stats = {"collectives": 0, "tensors": 0, "bits_sent": 0, "requests_sent": 0,
@@ -207,7 +210,20 @@ class Engine:
         if self._timeline is not None:
             self._timeline.close()
         self._liveness.stop()
+        self._hand_over()
         self.backends.close()
+
+    def _hand_over(self) -> None:
+        """The coordinator leaves while other ranks may go on (process sets without it): the
+        lowest rank still there coordinates from now on. Sent after this rank's last plan, on
+        the same ordered channels, so every rank has taken in every plan before it switches."""
+        c = self.coordinator
+        if c is None or self.size == 1 or self._fatal is not None:
+            return
+        gone = {**c.gone, self.rank: "it called shutdown()"}
+        successor = next((r for r in range(self.size) if r not in gone), None)
+        if successor is not None:
+            self._broadcast(Handover(successor, gone, list(c.joined), c.next_set_id))
 
     def timeline(self, path: str | None) -> None:
         """Start writing the timeline to ``path`` (this rank's file), or stop with None."""
@@ -234,11 +250,35 @@ class Engine:
                     return
                 if isinstance(msg, Plan):
                     self._receive(msg.items)
+                elif isinstance(msg, Handover):
+                    self._take_over(msg)
                 elif self.coordinator is not None:
                     self.coordinator.submit(src, msg.requests, msg.bits, msg.data)
                     self._plan()
+                else:  # sent to this rank as the successor before its Handover arrived
+                    self._early_submits.append((src, msg))
         except Exception as exc:  # not this thread's to handle: the engine thread fails the job
             self._inbox.put((Wake.ERROR, exc))
+
+    def _take_over(self, msg: Handover) -> None:
+        """The coordinator left cleanly (under the lock, in plan order): follow its successor,
+        and submit again in full what it never planned (the successor knows none of it)."""
+        self.coord = msg.successor
+        self._liveness.follow(msg.successor, msg.gone)
+        self.cache.mine.clear()  # the successor cannot decode other ranks' bits: full requests
+        pending = [self._submitted[k] for k in self._submitted]
+        if msg.successor != self.rank:
+            if pending:
+                self._send(msg.successor, Submit(pending, [], []))
+            return
+        c = Coordinator(self.size, self._members, self.config.fusion_threshold_bytes, self.cache)
+        c.gone, c.joined, c.next_set_id = dict(msg.gone), list(msg.joined), msg.next_set_id
+        self.coordinator = c
+        c.submit(self.rank, pending, [], [])
+        early, self._early_submits = self._early_submits, []
+        for src, sub in early:
+            c.submit(src, sub.requests, sub.bits, sub.data)
+        self._plan()
 
     def _on_peer_failure(self, peer: int, error: BaseException) -> None:
         self._inbox.put((Wake.PEER, peer, error))
@@ -333,10 +373,10 @@ class Engine:
         self.stats["requests_sent"] += len(requests)
         self.stats["bits_sent"] += len(bits)
         if self.coordinator is not None:
-            self.coordinator.submit(0, requests, bits, data)
+            self.coordinator.submit(self.rank, requests, bits, data)
             self._plan()
         else:
-            self._send(0, Submit(requests, bits, data))
+            self._send(self.coord, Submit(requests, bits, data))
 
     def _accept(self, entry: Entry, requests: list[Request], bits: list[int],
                 data: list[np.ndarray | None]) -> None:
@@ -373,8 +413,8 @@ class Engine:
             if self.coordinator is not None:
                 self.coordinator.rank_gone(peer, "it called shutdown()")
                 self._plan()
-            elif peer == 0:
-                self._close(ShutdownError("rank 0 (the coordinator) has shut down"))
+            elif peer == self.coord:
+                self._close(ShutdownError(f"rank {peer} (the coordinator) has shut down"))
             return
         self._note_failure(error)
 
@@ -404,7 +444,7 @@ class Engine:
             if self.coordinator is not None:
                 self._broadcast(Fatal.of(error))
             else:
-                self._send(0, Abort.of(error))
+                self._send(self.coord, Abort.of(error))
                 error = self._await_verdict(error)
         self._fatal = error
         log.error("ringflow: %s", error)
@@ -467,7 +507,10 @@ class Engine:
         if self.size == 1:
             return
         payload = encode(msg)
-        for dst in range(1, self.size):
+        gone = self.coordinator.gone if self.coordinator is not None else {}
+        for dst in range(self.size):
+            if dst == self.rank or dst in gone:
+                continue
             try:
                 self.transport.send_ctrl(payload, dst)
             except RingflowError as exc:
@@ -478,7 +521,7 @@ class Engine:
         if self.coordinator is not None:
             self._broadcast(Heartbeat())
         else:
-            self._send(0, Heartbeat())
+            self._send(self.coord, Heartbeat())
         self._inbox.put((Wake.TICK,))
 
     # plans -------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .errors import PeerError
 
@@ -25,15 +25,25 @@ class Liveness:
     """When each peer was last heard of; the heartbeat thread."""
 
     def __init__(self, rank: int, size: int, timeout_s: float) -> None:
+        self.rank, self.size = rank, size
         self.timeout_s = timeout_s
         self.interval = min(1.0, timeout_s / 4)
-        now = time.monotonic()
-        peers = range(1, size) if rank == 0 else [0] if size > 1 else []
-        self._last_heard = {r: now for r in peers}
+        self._last_heard: dict[int, float] = {}
+        self.follow(0)
         self._stop = threading.Event()
 
+    def follow(self, coordinator: int, gone: Iterable[int] = ()) -> None:
+        """Watch the peers of a job coordinated by ``coordinator``: every live rank if this is
+        it, else just the coordinator; ranks in ``gone`` left on purpose."""
+        now = time.monotonic()
+        left = set(gone)
+        peers = ([r for r in range(self.size) if r != self.rank and r not in left]
+                 if coordinator == self.rank else [coordinator])
+        self._last_heard = {r: now for r in peers}
+
     def heard(self, src: int) -> None:
-        self._last_heard[src] = time.monotonic()
+        if src in self._last_heard:
+            self._last_heard[src] = time.monotonic()
 
     def silent(self) -> PeerError | None:
         """The error for the first peer not heard of within ``timeout_s``, if any."""
@@ -48,7 +58,7 @@ class Liveness:
     def start(self, owner: object, beat: Callable[[object], None], name: str) -> None:
         """Call ``beat(owner)`` every ``interval`` until :meth:`stop` or ``owner`` is gone
         (the thread holds only a weak reference to it)."""
-        if not self._last_heard:
+        if self.size == 1:
             return
         ref = weakref.ref(owner)
         threading.Thread(target=self._run, args=(ref, beat), name=name, daemon=True).start()

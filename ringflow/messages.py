@@ -14,6 +14,9 @@ any frame is read; :func:`decode` accepts only the classes below. Rank 0 is the 
     rank 0 -> all    : Fatal(error, text)             the job's one verdict: every rank fails
                                                       every pending and later call with it
     either way       : Heartbeat()                    liveness, every min(1 s, timeout_s / 4)
+    rank 0 -> all    : Handover(successor, ...)       the coordinator shuts down cleanly while
+                                                      others go on: ``successor`` coordinates
+                                                      from now on (sent after its last plan)
 
 An empty frame is the transport's goodbye (the peer shuts down on purpose), not a message. Errors
 travel as (class name, text) and are rebuilt from the closed table
@@ -28,7 +31,8 @@ from typing import Any
 
 from .errors import ProtocolError, RingflowError, from_wire
 
-__all__ = ["Abort", "Fatal", "Heartbeat", "Message", "Plan", "Submit", "decode", "encode"]
+__all__ = ["Abort", "Fatal", "Handover", "Heartbeat", "Message", "Plan", "Submit", "decode",
+           "encode"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +73,19 @@ class Heartbeat:
     pass
 
 
-Message = Submit | Plan | Abort | Fatal | Heartbeat
-_KINDS = (Submit, Plan, Abort, Fatal, Heartbeat)
+@dataclasses.dataclass(frozen=True)
+class Handover:
+    """The departing coordinator's state that the successor needs (everything else -- process
+    sets, the response cache -- every rank has alike from the plans)."""
+
+    successor: int
+    gone: dict[int, str]  # ranks that left, and why (the departing coordinator among them)
+    joined: list[int]  # ranks that called join() and wait for the others
+    next_set_id: int
+
+
+Message = Submit | Plan | Abort | Fatal | Heartbeat | Handover
+_KINDS = (Submit, Plan, Abort, Fatal, Heartbeat, Handover)
 _HEARTBEAT = pickle.dumps(Heartbeat(), protocol=5)
 
 

@@ -9,6 +9,7 @@ every case eagerly and, for the last root, inside ``tf.function``. Prints ``PASS
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
@@ -43,10 +44,9 @@ def rows_of(q: int, length: int) -> int:
 
 
 class Numpy:
-    dtypes = list(DTYPES.values())
-
     def __init__(self) -> None:
         self.hvd = ringflow
+        self.dtypes = list(DTYPES.values())
 
     def t(self, a: np.ndarray) -> np.ndarray:
         return a
@@ -117,11 +117,11 @@ def run_cases(fw, r: int, n: int, roots, graph: bool = False) -> int:
                 mine = fw.t(values(r, rows_of(r, length), dt))
                 pieces = ([fw.t(values(q, rows_of(q, length), dt, 1)) for q in range(n)]
                           if r == root else None)
+                extra = {"dtype": dt} if graph else {}
                 calls = (
-                    lambda: hvd.reduce(x, root, op=hvd.Sum, name=f"r.{tag}"),
-                    lambda: hvd.gather(mine, root, name=f"g.{tag}"),
-                    lambda: hvd.scatter(pieces, root, name=f"s.{tag}",
-                                        **({"dtype": dt} if graph else {})),
+                    functools.partial(hvd.reduce, x, root, op=hvd.Sum, name=f"r.{tag}"),
+                    functools.partial(hvd.gather, mine, root, name=f"g.{tag}"),
+                    functools.partial(hvd.scatter, pieces, root, name=f"s.{tag}", **extra),
                 )
                 if graph:
                     calls = tuple(tf.function(c) for c in calls)
