@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import signal
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -100,6 +101,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
         _info = info
         _client = Client(store) if store is not None else local_client(config.timeout_s)
         _engine = Engine(info.rank, info.size, backends, config)
+        if info.detector == "ringflow":
+            _exit_on_sigterm()
         from . import submission
 
         submission.reset_names()
@@ -181,6 +184,20 @@ def stats() -> dict[str, int]:
         out.update(eng.coordinator.stats)
     out["cached_names"] = len(eng.cache.key_of)
     return out
+
+
+def _exit_on_sigterm() -> None:
+    """In a worker of ringflow-run or ringflow.run: make the launcher's SIGTERM (sent when
+    another rank failed, or on Ctrl-C) raise SystemExit in the main thread, so ``finally``
+    blocks and atexit handlers run and buffered output is flushed before the process ends.
+    Python's default would end the process at once; a handler the program set stays."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def info() -> RankInfo:

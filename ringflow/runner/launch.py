@@ -46,10 +46,14 @@ Output: every line a worker writes to stdout (stderr) is written to ``stdout`` (
 ``output_dir`` the bytes go unchanged to ``output_dir/rank.N/stdout`` and ``.../stderr`` instead
 (horovodrun's ``--output-filename``); the failure report still shows the stderr tail.
 
-Failure: the first worker to exit non-zero or by a signal is the job's *first failure*. Every other
-worker's session gets SIGTERM, then SIGKILL after ``grace_s``. The job's exit code is the first
-failure's (``128 + signal`` for a signal), 0 when every worker exits 0. A SIGINT or SIGTERM to the
-launcher (with ``handle_signals``) stops the workers the same way and gives ``128 + signal``.
+Failure: the first worker to exit non-zero or by a signal is the job's *first failure*. The others
+get ``grace_s`` to end on their own (ringflow fails their collectives within seconds, and a rank
+that exits by itself keeps its output and its own report); every worker session still running
+then gets SIGTERM (which ``ringflow.init()`` turns into SystemExit in a Python worker, so
+``finally`` blocks run and buffered output is flushed), then SIGKILL after ``grace_s`` more. The
+job's exit code is the first failure's (``128 + signal`` for a signal), 0 when every worker exits
+0. A SIGINT or SIGTERM to the launcher (with ``handle_signals``) stops the workers at once the same
+way (no settling) and gives ``128 + signal``.
 """
 
 from __future__ import annotations
@@ -81,8 +85,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Seconds between SIGTERM and SIGKILL: long enough for a Python worker to run its ``finally``
-#: blocks and flush its output, short enough that a hung job does not outlive a Ctrl-C by much.
+#: Seconds the other workers get to end on their own after the first failure, and then again
+#: between SIGTERM and SIGKILL: long enough for a Python worker to run its ``finally`` blocks and
+#: flush its output (ringflow.init() makes SIGTERM raise SystemExit in ringflow-run's workers),
+#: short enough that a hung job does not outlive a failure or a Ctrl-C by much.
 DEFAULT_GRACE_S = 5.0
 #: Lines of a failed rank's stderr kept for the failure report.
 TAIL_LINES = 20
@@ -484,15 +490,21 @@ class LocalJob:
         timed_out = False
         try:
             while True:
-                for rank, proc in enumerate(self._procs):
-                    if exits[rank] is None and (code := proc.poll()) is not None:
-                        remote = self._remote[rank]
-                        if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
-                            code = 128 - code
-                        exits[rank] = WorkerExit(rank, self._workers[rank].host, code, (), remote)
-                        if code != 0 and first is None:
-                            first = exits[rank]
-                if first is not None or self._stop_signal is not None:
+                for rank in self._note_exits(exits):
+                    if exits[rank].returncode != 0 and first is None:
+                        first = exits[rank]
+                if self._stop_signal is not None:
+                    break
+                if first is not None:
+                    # Give the others a moment to end on their own: ringflow fails every
+                    # rank's collectives within seconds, and a rank left to exit keeps its
+                    # output, its finally blocks and its own report of what happened.
+                    settle = time.monotonic() + self._grace_s
+                    while time.monotonic() < settle and any(
+                            e is None and p.poll() is None
+                            for e, p in zip(exits, self._procs, strict=True)):
+                        time.sleep(_POLL_S)
+                    self._note_exits(exits)
                     break
                 if all(e is not None for e in exits):
                     break
@@ -516,6 +528,18 @@ class LocalJob:
         else:
             code = 0
         return JobResult(code, tuple(exits), first, self._stop_signal, timed_out)
+
+    def _note_exits(self, exits: list[WorkerExit | None]) -> list[int]:
+        """Record the workers that have exited since the last call; their ranks, in order."""
+        new = []
+        for rank, proc in enumerate(self._procs):
+            if exits[rank] is None and (code := proc.poll()) is not None:
+                remote = self._remote[rank]
+                if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
+                    code = 128 - code
+                exits[rank] = WorkerExit(rank, self._workers[rank].host, code, (), remote)
+                new.append(rank)
+        return new
 
     def _terminate(self, ranks: Sequence[int] | range) -> None:
         """SIGTERM the sessions of ``ranks``; SIGKILL what is left after the grace period."""

@@ -143,3 +143,45 @@ def test_remote_bootstrap_without_a_secret_refuses():
         capture_output=True, timeout=30,
     )
     assert boot.returncode == 1 and b"no job secret on stdin" in boot.stderr
+
+
+def test_after_a_failure_the_others_may_finish_their_output(tmp_path):
+    """Issue 18: the other ranks used to be killed at once, losing all they had yet to print."""
+    script = tmp_path / "w.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        if os.environ["RINGFLOW_RANK"] == "1":
+            sys.exit(3)
+        time.sleep(1.0)
+        for i in range(60):
+            print(f"line {i}")
+    """))
+    proc = launch("-np", "2", sys.executable, str(script))
+    assert proc.returncode == 3, proc.stderr
+    assert "rank 1 on host localhost exited with code 3" in proc.stderr
+    assert [line for line in proc.stdout.splitlines() if line.startswith("[0]:line")] == [
+        f"[0]:line {i}" for i in range(60)], proc.stdout
+
+
+def test_sigterm_lets_a_ringflow_worker_run_its_finally_blocks(tmp_path):
+    """Issue 18: a rank still busy after the settling time gets SIGTERM, which ringflow.init()
+    turns into SystemExit: its finally blocks run and its buffered output arrives."""
+    script = tmp_path / "w.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        import ringflow
+        ringflow.init()
+        if ringflow.rank() == 1:
+            sys.exit(3)
+        print("buffered before the signal")  # stdout is a pipe: block-buffered
+        try:
+            time.sleep(60)
+        finally:
+            print("finally ran")
+    """))
+    start = time.monotonic()
+    proc = launch("-np", "2", sys.executable, str(script))
+    assert proc.returncode == 3, proc.stderr
+    assert "[0]:buffered before the signal" in proc.stdout, proc.stdout + proc.stderr
+    assert "[0]:finally ran" in proc.stdout, proc.stdout + proc.stderr
+    assert time.monotonic() - start < 30
