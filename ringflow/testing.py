@@ -28,9 +28,10 @@ the deadline, so a hang is always reported by the deadline.
 Engines (``run_engines``): each rank's :class:`~ringflow.engine.Engine` runs on
 ``world.transport(r)`` with the ring allreduce (``Backends(transport, (Ring(),))``; with
 ``shm=True`` shared memory first, as for processes of one host) and ``config`` (default:
-``Config()`` with ``timeout_s`` twice the deadline; the environment is not read). The rank's thread is bound to its engine (:func:`ringflow.runtime.bound`) while ``fn``
-runs, so ``ringflow.rank()``, ``ProcessSet.included()`` and the collectives called on it act for
-that rank; ``rf`` binds every call it makes, so it works on any thread (done-callbacks run on the
+``Config()`` with ``timeout_s`` twice the deadline; the environment is not read). The rank's
+thread is bound to its engine (:func:`ringflow.runtime.bound`) while ``fn`` runs, so
+``ringflow.rank()``, ``ProcessSet.included()`` and the collectives called on it act for that
+rank; ``rf`` binds every call it makes, so it works on any thread (done-callbacks run on the
 engine's threads). ``ringflow.get_client()`` is one in-memory store shared by the ranks.
 """
 
@@ -231,7 +232,11 @@ def run_engines(
         with bound(rf._binding):
             return fn(rf._rank, rf, *args)
 
-    return _run(n, make, call, world.abort, deadline, store)
+    def abort(exc: BaseException) -> None:
+        world.abort(exc)
+        store.close()  # releases ranks still setting up (shared memory) or in user_get
+
+    return _run(n, make, call, abort, deadline, store)
 
 
 def _run(n: int, make: Callable[[int], _Closable], call: Callable[[Any], Any],
