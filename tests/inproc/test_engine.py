@@ -434,6 +434,42 @@ def test_groups_of_different_sizes_fail_rather_than_stall(odd: str) -> None:
     assert all(res[1] == [] and res[2] == [n, n] for res in results), results
 
 
+# --- stalls ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", MULTI)
+def test_a_stall_past_its_limit_fails_the_job_with_one_text(n: int) -> None:
+    others_failed = threading.Event()
+
+    def body(r, rf):
+        rf.allreduce(np.ones(2), name="st.ok")
+        if r == n - 1:  # skips the collective until the others have given up on it
+            assert others_failed.wait(DEADLINE)
+            return failure(rf.allreduce, np.ones(2), name="st.skipped")
+        error = failure(rf.allreduce, np.ones(2), name="st.skipped")
+        others_failed.set()
+        return error
+
+    results = run_engines(n, body, Config(stall_shutdown_s=1.0), deadline=DEADLINE)
+    kind, text = one_error([{"e": e} for e in results], "e")
+    assert kind == "StallError", text
+    assert "tensor 'st.skipped'" in text and f"missing ranks [{n - 1}]" in text, text
+    assert "RINGFLOW_STALL_SHUTDOWN_S" in text
+
+
+@pytest.mark.parametrize("n", MULTI)
+def test_ranks_waiting_in_different_collectives_fail_as_a_deadlock(n: int) -> None:
+    def body(r, rf):
+        name = "dl.first" if r == 0 else "dl.second"  # nobody can go on
+        return failure(rf.allreduce, np.ones(2), name=name)
+
+    results = run_engines(n, body, Config(deadlock_shutdown_s=0.5), deadline=DEADLINE)
+    kind, text = one_error([{"e": e} for e in results], "e")
+    assert kind == "StallError" and text.startswith("deadlock: every rank"), text
+    assert "'dl.first' submitted by ranks [0], missing ranks " in text, text
+    assert "RINGFLOW_DEADLOCK_SHUTDOWN_S" in text
+
+
 # --- join ----------------------------------------------------------------------------------------
 
 
@@ -780,10 +816,11 @@ def expected(dtype: np.dtype, op: str, n: int) -> tuple[Any, Any]:
     return (lambda r: r + 1), want
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["ring", "shm"])
 @pytest.mark.parametrize("n", SIZES)
-def test_allreduce_of_every_dtype_op_and_length_is_exact(n: int) -> None:
+def test_allreduce_of_every_dtype_op_and_length_is_exact(n: int, shm: bool) -> None:
     """Every dtype of ringflow.ops.DTYPES with every op (Sum also at a large odd length), twice:
-    negotiated (the ring), then cached (the coordinator for the small ones)."""
+    negotiated (the ring or shared memory), then cached (the coordinator for the small ones)."""
     cases = []
     for dtype in DTYPES.values():
         for op in OPS:
@@ -807,7 +844,7 @@ def test_allreduce_of_every_dtype_op_and_length_is_exact(n: int) -> None:
                 assert np.array_equal(got, want), (attempt, dtype, op, length, got[:3], want[:3])
         return len(cases)
 
-    assert run_engines(n, body, WIDE_WINDOW, deadline=DEADLINE) == [len(cases)] * n
+    assert run_engines(n, body, WIDE_WINDOW, deadline=DEADLINE, shm=shm) == [len(cases)] * n
 
 
 @pytest.mark.parametrize("n", SIZES)
