@@ -87,8 +87,7 @@ class _Mailbox:
     """One rank's control messages and peer failures, in arrival order.
 
     Items are ``(src, payload)`` (a message) or ``(src, error)`` (that peer said goodbye or
-    failed). Its lock is never held while the world's is taken (the world's may be held while
-    this one is).
+    failed). Lock order: the world's lock, then a mailbox's; never the other way round.
     """
 
     def __init__(self) -> None:
