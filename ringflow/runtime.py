@@ -5,16 +5,21 @@ the rendezvous store (:mod:`ringflow.bootstrap`), places the ranks on hosts if t
 not, connects the backends (:mod:`ringflow.backends`) and starts the
 :class:`~ringflow.engine.Engine`; :func:`shutdown` stops it, and a later :func:`init` forms a
 fresh job of the same ranks (DESIGN §8).
+
+A thread may instead act as one rank of a job whose ranks are threads of this process
+(:func:`ringflow.testing.run_engines`): inside :func:`bound`, every function of the public API
+called on that thread reads that rank's :class:`Binding` instead of the process's state.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .client import Client, local_client
@@ -25,15 +30,45 @@ from .topology import RankInfo
 if TYPE_CHECKING:
     from .process_sets import ProcessSet
 
-__all__ = ["cross_rank", "cross_size", "get_client", "info", "init", "is_initialized",
-           "local_rank", "local_size", "rank", "running", "shutdown", "size", "start_timeline",
-           "stats", "stop_timeline"]
+__all__ = ["Binding", "bound", "cross_rank", "cross_size", "get_client", "info", "init",
+           "is_initialized", "local_rank", "local_size", "rank", "running", "shutdown", "size",
+           "start_timeline", "stats", "stop_timeline"]
 
 _state_lock = threading.Lock()
 _engine: Any = None
 _info: Any = None
 _client: Any = None
 _generation = itertools.count()
+_local = threading.local()  # .binding: the Binding this thread acts for, if any
+
+
+class Binding:
+    """One rank of a job whose ranks are threads of this process: its engine (None once shut
+    down), :class:`~ringflow.topology.RankInfo` and key-value client."""
+
+    def __init__(self, engine: Any, info: RankInfo, client: Client) -> None:
+        self.engine = engine
+        self.info = info
+        self.client = client
+
+
+@contextlib.contextmanager
+def bound(binding: Binding) -> Iterator[None]:
+    """Make the public API, called on this thread, act for ``binding``'s rank (nestable)."""
+    previous = getattr(_local, "binding", None)
+    _local.binding = binding
+    try:
+        yield
+    finally:
+        _local.binding = previous
+
+
+def _state() -> tuple[Any, Any, Any]:
+    """(engine, info, client) of the rank this thread acts for: a binding's, else the process's."""
+    binding = getattr(_local, "binding", None)
+    if binding is None:
+        return _engine, _info, _client
+    return binding.engine, binding.info, binding.client
 
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
@@ -65,6 +100,12 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
     from .backends import connect
     from .engine import Engine
 
+    binding = getattr(_local, "binding", None)
+    if binding is not None:
+        if binding.engine is not None:
+            return
+        raise ConfigError("this thread is a rank of ringflow.testing.run_engines, whose engine "
+                          "was shut down; it cannot be started again (run a new run_engines)")
     with _state_lock:
         if _engine is not None:
             return
@@ -116,14 +157,18 @@ def get_client() -> Client:
     """The job's key-value client (MegEngine's ``dist.get_client()``): ``user_set(key, value)``
     and ``user_get(key, timeout=None)`` on the store every rank reached at ``init()``."""
     running()
-    return _client
+    return _state()[2]  # type: ignore[no-any-return]
 
 
 def shutdown() -> None:
     """Stop the engine; pending operations fail with ShutdownError. Safe to call twice."""
     global _engine
+    binding = getattr(_local, "binding", None)
     with _state_lock:
-        engine, _engine = _engine, None
+        if binding is not None:
+            engine, binding.engine = binding.engine, None
+        else:
+            engine, _engine = _engine, None
     if engine is not None:
         engine.shutdown()
 
@@ -132,7 +177,7 @@ atexit.register(shutdown)
 
 
 def is_initialized() -> bool:
-    return _engine is not None
+    return _state()[0] is not None
 
 
 def running() -> Any:
@@ -141,39 +186,39 @@ def running() -> Any:
     Raises:
         NotInitializedError: :func:`init` has not been called (or :func:`shutdown` was).
     """
-    if _engine is None:
+    engine = _state()[0]
+    if engine is None:
         raise NotInitializedError("ringflow has not been initialized; call ringflow.init() first")
-    return _engine
+    return engine
+
+
+def _rank_info() -> RankInfo:
+    running()
+    return _state()[1]  # type: ignore[no-any-return]
 
 
 def rank() -> int:
-    running()
-    return int(_info.rank)
+    return int(_rank_info().rank)
 
 
 def size() -> int:
-    running()
-    return int(_info.size)
+    return int(_rank_info().size)
 
 
 def local_rank() -> int:
-    running()
-    return int(_info.local_rank)
+    return int(_rank_info().local_rank)
 
 
 def local_size() -> int:
-    running()
-    return int(_info.local_size)
+    return int(_rank_info().local_size)
 
 
 def cross_rank() -> int:
-    running()
-    return int(_info.cross_rank)
+    return int(_rank_info().cross_rank)
 
 
 def cross_size() -> int:
-    running()
-    return int(_info.cross_size)
+    return int(_rank_info().cross_size)
 
 
 def stats() -> dict[str, int]:
@@ -202,8 +247,7 @@ def _raise_exit(signum: int, frame: object) -> None:
 
 def info() -> RankInfo:
     """This process's :class:`~ringflow.topology.RankInfo` (``detector`` names the launcher)."""
-    running()
-    return _info  # type: ignore[no-any-return]
+    return _rank_info()
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -4,7 +4,9 @@ Every collective of the numpy API goes through :func:`submit` (or :func:`submit_
 kind is looked up in :data:`ringflow.collectives.COLLECTIVES` (an unknown kind fails here), the
 array is checked on this rank (a failure travels with the request, so every member fails the
 operation with the same text), and the engine gets a :class:`~ringflow.negotiation.Request`.
-Unnamed tensors get deterministic names from (kind, process set, call order).
+Unnamed tensors get deterministic names from (kind, process set, call order), counted per
+engine: a job's counters start at 0 on every rank, and the ranks of
+:func:`ringflow.testing.run_engines` (threads of one process) each count their own.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +31,9 @@ from .runtime import rank, running, size
 
 __all__ = ["GroupHandle", "name_of", "reset_names", "scales", "submit", "submit_group"]
 
-_counters: dict[str, itertools.count] = {}
+# engine -> "kind/process set" -> call counter
+_counters: weakref.WeakKeyDictionary[Any, dict[str, itertools.count]] = (
+    weakref.WeakKeyDictionary())
 
 
 def reset_names() -> None:
@@ -40,7 +45,8 @@ def name_of(kind: str, name: str | None, ps: int) -> str:
     """``name``, or the next deterministic name of an unnamed ``kind`` in process set ``ps``."""
     if name:
         return str(name)
-    counter = _counters.setdefault(f"{kind}/{ps}", itertools.count())
+    counters = _counters.setdefault(running(), {})
+    counter = counters.setdefault(f"{kind}/{ps}", itertools.count())
     return f"{kind}.noname.{next(counter)}"
 
 

@@ -1,7 +1,11 @@
-"""Harnesses that run the ranks of a test: :func:`run_ranks` (threads of this process).
+"""Harnesses that run the ranks of a test: :func:`run_ranks` and :func:`run_engines` (threads
+of this process), :func:`spawn_ranks` (processes).
 
 ``run_ranks(n, fn)`` starts ``n`` daemon threads; thread ``r`` builds the transport of rank ``r``
-and calls ``fn(t, *args)``. Contract:
+and calls ``fn(t, *args)``. ``run_engines(n, fn)`` does the same with a whole
+:class:`~ringflow.engine.Engine` per rank over one loopback world, and calls ``fn(r, rf,
+*args)``, where ``rf`` is ringflow's public API acting for rank ``r`` (:class:`EngineRank`).
+Contract (both):
 
 - Returns the ``n`` results in rank order once every rank has returned.
 - The first exception on any rank aborts every rank -- loopback: ``world.abort``; tcp: every
@@ -11,32 +15,45 @@ and calls ``fn(t, *args)``. Contract:
   itself causes on the other ranks are not reported.
 - Past ``deadline`` seconds, the lowest unfinished rank is reported as a RankFailure ("did not
   finish within ...", with the stack it is stuck in) and every rank is aborted.
-- Each rank closes its own transport when ``fn`` returns (all ranks concurrently, as processes
-  would at exit); after a failure the harness closes them all. Closing is bounded in time, so a
-  transport whose ``close`` hangs cannot hang the test run.
+- Each rank closes its own transport (``run_engines``: shuts its engine down, which says
+  goodbye) when ``fn`` returns (all ranks concurrently, as processes would at exit); after a
+  failure the harness closes them all. Closing is bounded in time, so a transport whose
+  ``close`` hangs cannot hang the test run.
 
 Transports: ``"loopback"`` (one :class:`~ringflow.transport.loopback.LoopbackWorld`) or ``"tcp"``
 (real sockets on this host, through ``ringflow.transport.create("tcp", rank, n, store, config)``
 with a shared :class:`ringflow.rendezvous.MemoryStore`). Their per-operation timeouts are twice
 the deadline, so a hang is always reported by the deadline.
+
+Engines (``run_engines``): each rank's :class:`~ringflow.engine.Engine` runs on
+``world.transport(r)`` with the ring allreduce (``Backends(transport, (Ring(),))``; with
+``shm=True`` shared memory first, as for processes of one host) and ``config`` (default:
+``Config()`` with ``timeout_s`` twice the deadline; the environment is not read). The rank's
+thread is bound to its engine (:func:`ringflow.runtime.bound`) while ``fn`` runs, so
+``ringflow.rank()``, ``ProcessSet.included()`` and the collectives called on it act for that
+rank; ``rf`` binds every call it makes, so it works on any thread (done-callbacks run on the
+engine's threads). ``ringflow.get_client()`` is one in-memory store shared by the ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import socket
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from .config import Config
 from .errors import ConfigError, PeerError, RankFailure
 from .transport import Transport, create
 from .transport.loopback import LoopbackWorld
 
-__all__ = ["run_ranks", "spawn_ranks"]
+__all__ = ["EngineRank", "run_engines", "run_ranks", "spawn_ranks"]
 
 # After an abort, how long (at most, and never longer than the deadline) run_ranks waits for the
 # released threads to return before it raises anyway (they are daemon threads; a rank stuck
@@ -49,14 +66,18 @@ _OP_TIMEOUT_FACTOR = 2.0
 _CLOSE_WAIT_S = 10.0
 
 
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
 class _Run:
-    """Shared state of one run_ranks call; every field is guarded by ``cond``."""
+    """Shared state of one harness call; every field is guarded by ``cond``."""
 
     def __init__(self, n: int) -> None:
         self.cond = threading.Condition()
         self.results: list[Any] = [None] * n
         self.finished = [False] * n
-        self.transports: list[Transport | None] = [None] * n
+        self.ranks: list[_Closable | None] = [None] * n  # what each rank closes at the end
         self.failure: tuple[int, BaseException, str] | None = None
         self.aborted = False
 
@@ -102,18 +123,138 @@ def run_ranks(
             f"run_ranks supports transport='loopback' or 'tcp', got {transport!r}"
         )
 
+    return _run(n, make, lambda t: fn(t, *args), abort, deadline, store)
+
+
+class EngineRank:
+    """What ``fn`` of :func:`run_engines` gets: one rank of the in-process job.
+
+    ``rf.<name>`` for a name of ``ringflow.__all__`` is ringflow's public API acting for this
+    rank: functions (``rf.allreduce(x, name="g", op=rf.Sum)``, ``rf.rank()``,
+    ``rf.add_process_set([0, 1])``, ``rf.join()``, ``rf.stats()``, ``rf.shutdown()``, ...) run
+    bound to this rank's engine on whichever thread calls them; classes and constants
+    (``rf.Sum``, ``rf.ProcessSet``, ``rf.Compression``) are ringflow's own. Two more attributes:
+    ``engine`` (this rank's :class:`~ringflow.engine.Engine`, None once shut down) and ``world``
+    (the shared :class:`~ringflow.transport.loopback.LoopbackWorld`, with its message counts).
+    """
+
+    def __init__(self, rank: int, world: LoopbackWorld, binding: Any) -> None:
+        self.world = world
+        self._rank = rank
+        self._binding = binding
+
+    @property
+    def engine(self) -> Any:
+        return self._binding.engine
+
+    def __getattr__(self, name: str) -> Any:
+        import ringflow
+
+        if name not in ringflow.__all__:
+            raise AttributeError(f"ringflow has no public name {name!r} (see ringflow.__all__)")
+        value = getattr(ringflow, name)
+        if not inspect.isfunction(value):
+            return value
+        from .runtime import bound
+
+        binding = self._binding
+
+        @functools.wraps(value)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with bound(binding):
+                return value(*args, **kwargs)
+
+        return call
+
+    def close(self) -> None:
+        """Shut this rank's engine down (a goodbye to the others); idempotent."""
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"EngineRank(rank={self._rank}, size={self.world.size})"
+
+
+def run_engines(
+    n: int,
+    fn: Callable[..., Any],
+    config: Config | None = None,
+    *,
+    args: Sequence[Any] = (),
+    deadline: float = 60.0,
+    shm: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, rf, *args)`` on ``n`` ranks, each a thread with its own
+    :class:`~ringflow.engine.Engine` over one loopback world; return the results in rank order.
+
+    ``rf`` is the rank's :class:`EngineRank`. ``config`` applies to every engine (default:
+    ``Config(timeout_s=2 * deadline)``). Allreduces of the global set run on the ring, or with
+    ``shm`` on :class:`~ringflow.algorithms.shm.ShmAllreduce` (as for processes on one host;
+    the ring stays for process sets). Every engine is shut down before this returns.
+
+    Raises:
+        RankFailure: the first rank that raised or, past ``deadline``, the lowest rank that did
+            not finish (every rank is aborted first: the engines' pending operations fail).
+        ConfigError: ``n < 1``.
+    """
+    from .algorithms.shm import ShmAllreduce
+    from .backends import Backends, Ring, SharedMemory
+    from .client import Client
+    from .engine import Engine
+    from .rendezvous import MemoryStore
+    from .runtime import Binding, bound
+    from .topology import RankInfo
+
+    if n < 1:
+        raise ConfigError(f"run_engines needs at least 1 rank, got n={n}")
+    timeout = _OP_TIMEOUT_FACTOR * deadline
+    config = config if config is not None else Config(timeout_s=timeout)
+    world = LoopbackWorld(n, timeout=timeout)
+    store = MemoryStore(timeout)
+    client = Client(store)
+    host = socket.gethostname()
+
+    def make(rank: int) -> EngineRank:
+        t = world.transport(rank)
+        if shm:
+            local = ShmAllreduce(rank, n, store, "engines/", timeout, t.check_peers)
+            backends = Backends(t, (SharedMemory(local), Ring()), local)
+        else:
+            backends = Backends(t, (Ring(),))
+        try:
+            engine = Engine(rank, n, backends, config)
+        except BaseException:
+            backends.close(linger=0)
+            raise
+        info = RankInfo(rank, n, rank, n, 0, 1, host, detector="threads")
+        return EngineRank(rank, world, Binding(engine, info, client))
+
+    def call(rf: EngineRank) -> Any:
+        with bound(rf._binding):
+            return fn(rf._rank, rf, *args)
+
+    def abort(exc: BaseException) -> None:
+        world.abort(exc)
+        store.close()  # releases ranks still setting up (shared memory) or in user_get
+
+    return _run(n, make, call, abort, deadline, store)
+
+
+def _run(n: int, make: Callable[[int], _Closable], call: Callable[[Any], Any],
+         abort: Callable[[BaseException], None], deadline: float, store: Any = None) -> list[Any]:
+    """The machinery of both harnesses: rank ``r``'s thread runs ``call(make(r))`` and closes
+    what ``make`` returned; the first failure or the deadline aborts every rank."""
     run = _Run(n)
 
     def body(rank: int) -> None:
         try:
             t = make(rank)
             with run.cond:
-                run.transports[rank] = t
+                run.ranks[rank] = t
                 late = run.aborted
             if late:  # the abort closed the others before this one existed
                 t.close()
                 raise PeerError(f"rank {rank}: the test was aborted while it was connecting")
-            result = fn(t, *args)
+            result = call(t)
             # Each rank closes its own transport when done, as a process would at exit; the
             # ranks close concurrently, so a transport that lingers for its peers' goodbyes
             # waits once, not once per rank.
@@ -148,7 +289,7 @@ def run_ranks(
         failure = run.failure
         stuck = None if failure or all(run.finished) else run.finished.index(False)
         run.aborted = failure is not None or stuck is not None
-        transports = list(run.transports)
+        ranks = list(run.ranks)
 
     error: RankFailure | None = None
     cause: BaseException | None = None
@@ -169,13 +310,16 @@ def run_ranks(
 
     if error is not None:
         abort(PeerError(f"{reason}; the test harness aborted every rank"))
-        _close_all(transports)
+        _close_all(ranks)
         grace_end = time.monotonic() + min(_JOIN_GRACE_S, deadline)
         for thread in threads:
             thread.join(max(0.0, grace_end - time.monotonic()))
+    else:
+        for thread in threads:  # each has closed its own; let it return before we do
+            thread.join(_CLOSE_WAIT_S)
     with run.cond:
-        transports = list(run.transports)
-    _close_all(transports)  # idempotent for those the ranks closed themselves
+        ranks = list(run.ranks)
+    _close_all(ranks)  # idempotent for those the ranks closed themselves
     if store is not None:
         store.close()
     if error is not None:
@@ -183,21 +327,22 @@ def run_ranks(
     return run.results
 
 
-def _close_all(transports: Sequence[Transport | None]) -> None:
-    """Close the transports concurrently, waiting at most ``_CLOSE_WAIT_S`` for all of them.
+def _close_all(ranks: Sequence[_Closable | None]) -> None:
+    """Close the ranks' transports (or engines) concurrently, waiting at most ``_CLOSE_WAIT_S``
+    for all of them.
 
     Concurrently because a transport may linger in ``close`` for its peers' goodbyes; bounded
     because a transport whose ``close`` hangs must not hang the test run (the close threads are
     daemons and their errors are ignored: the ranks' outcome is already known).
     """
 
-    def close(t: Transport) -> None:
+    def close(t: _Closable) -> None:
         with contextlib.suppress(Exception):
             t.close()
 
     closers = [
         threading.Thread(target=close, args=(t,), name="ringflow-close", daemon=True)
-        for t in transports
+        for t in ranks
         if t is not None
     ]
     for thread in closers:
