@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -15,6 +16,8 @@ from typing import Any
 from .errors import RingflowTimeoutError
 
 __all__ = ["Handle"]
+
+log = logging.getLogger(__name__)
 
 
 class Handle:
@@ -54,12 +57,13 @@ class Handle:
 
     def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
         """Call ``fn(handle)`` when done (at once if already done), on the thread that completed
-        the operation: one of ringflow's (engine or transport reader), never under its lock."""
+        the operation: one of ringflow's (engine or transport reader), never under its lock. An
+        exception from ``fn`` is logged and otherwise ignored."""
         with self._lock:
             if not self._done.is_set():
                 self._callbacks.append(fn)
                 return
-        fn(self)
+        self._call(fn)
 
     def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
         with self._lock:
@@ -69,7 +73,15 @@ class Handle:
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
+            self._call(fn)
+
+    def _call(self, fn: Callable[[Handle], None]) -> None:
+        """A callback's exception is the caller's bug, not the operation's: it is logged (as
+        ``concurrent.futures`` does) and neither the operation nor the job fails."""
+        try:
             fn(self)
+        except Exception:
+            log.exception("ringflow: the done-callback %r of %r raised", fn, self)
 
     def __repr__(self) -> str:
         state = "pending" if not self.poll() else ("failed" if self._error else "done")

@@ -254,13 +254,28 @@ class Coordinator:
                 groups.setdefault((key[0], group), []).append(key)
             else:
                 ready.append((key, slot))
-        for (_, _), keys in groups.items():
+        broken: list[Response] = []
+        for (ps, group), keys in groups.items():
+            members = [k for k in self.table if k[0] == ps and self._group_of(k) == group]
+            sizes: dict[int, int] = {}
+            for k in members:
+                for rank, req in self.table[k].items():
+                    sizes.setdefault(rank, req.group_size)
+            if len(set(sizes.values())) > 1:
+                # Ranks grouped different tensors: the whole group fails at once on every rank
+                # (waiting for it to be complete would wait forever for names some never send).
+                broken.extend(self._fail_group(members, group, sizes))
+                continue
             size = next(iter(self.table[keys[0]].values())).group_size
             if len(keys) >= size:
                 ready.extend((k, self.table[k]) for k in keys)
             else:
                 waiting = True
         self.holding = False
+        if broken:
+            self.stats["plans"] += 1
+            self.last_change = time.monotonic()
+            return broken + self.plan(hold)
         if not ready and not self._all_joined():
             return []
         if ready and hold > 0 and waiting:
@@ -299,6 +314,28 @@ class Coordinator:
         if items:
             self.stats["plans"] += 1
             self.last_change = time.monotonic()
+        return items
+
+    def _group_of(self, key: Key) -> str:
+        return next(iter(self.table[key].values())).group
+
+    def _fail_group(self, keys: list[Key], group: str,
+                    sizes: dict[int, int]) -> list[Response]:
+        """Error items for every pending name of a group whose size the ranks disagree on."""
+        by_size: dict[int, list[int]] = {}
+        for rank in sorted(sizes):
+            by_size.setdefault(sizes[rank], []).append(rank)
+        parts = "; ".join(f"{v!r} on rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}"
+                          for v, rs in by_size.items())
+        text = f"ranks disagree on group_size of group {group!r}: {parts}"
+        items = []
+        for key in keys:
+            slot = self.table.pop(key)
+            self.first_seen.pop(key, None)
+            self.warned.discard(key)
+            self.via_bits.pop(key, None)
+            self.payload.pop(key, None)
+            items.append(_error(slot[min(slot)], text, "MismatchError"))
         return items
 
     def _ready(self, key: Key, slot: dict[int, Request]) -> bool:

@@ -411,9 +411,6 @@ def test_a_name_submitted_again_while_in_flight_raises_at_the_call(n: int) -> No
     assert kind == "TensorError" and text.startswith("tensor 'g.1' was submitted again")
 
 
-@pytest.mark.xfail(strict=True, reason="negotiation takes a group's size from whichever rank "
-                   "arrived first (Coordinator.plan): names only some ranks submitted stay "
-                   "pending, or the job fails as a deadlock; see the report of issue 16 item 7")
 @pytest.mark.parametrize("odd", ["coordinator", "worker"])
 def test_groups_of_different_sizes_fail_rather_than_stall(odd: str) -> None:
     """One rank groups two tensors where the others group one: every rank should get one
@@ -736,10 +733,6 @@ def test_a_done_callback_may_submit_the_next_op(n: int) -> None:
     assert run_engines(n, body, deadline=DEADLINE) == [[float(n ** k) for k in range(1, 6)]] * n
 
 
-@pytest.mark.xfail(strict=True, reason="an exception from a done-callback escapes Handle._finish "
-                   "into the engine: the job fails ('internal error in the engine') and the "
-                   "handles finished with it are never completed; see the report of issue 16 "
-                   "item 7")
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_failing_done_callback_fails_neither_its_op_nor_the_job(n: int) -> None:
     def body(r, rf):
