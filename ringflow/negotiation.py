@@ -260,11 +260,12 @@ class Coordinator:
             sizes: dict[int, int] = {}
             for k in members:
                 for rank, req in self.table[k].items():
-                    sizes.setdefault(rank, req.group_size)
+                    if req.group == group:  # a rank that did not group it: validate() says so
+                        sizes.setdefault(rank, req.group_size)
             if len(set(sizes.values())) > 1:
                 # Ranks grouped different tensors: the whole group fails at once on every rank
                 # (waiting for it to be complete would wait forever for names some never send).
-                broken.extend(self._fail_group(members, group, sizes))
+                broken.extend(self._fail_group(members, sizes))
                 continue
             size = next(iter(self.table[keys[0]].values())).group_size
             if len(keys) >= size:
@@ -319,15 +320,13 @@ class Coordinator:
     def _group_of(self, key: Key) -> str:
         return next(iter(self.table[key].values())).group
 
-    def _fail_group(self, keys: list[Key], group: str,
-                    sizes: dict[int, int]) -> list[Response]:
+    def _fail_group(self, keys: list[Key], sizes: dict[int, int]) -> list[Response]:
         """Error items for every pending name of a group whose size the ranks disagree on."""
         by_size: dict[int, list[int]] = {}
         for rank in sorted(sizes):
             by_size.setdefault(sizes[rank], []).append(rank)
         parts = "; ".join(f"{v!r} on rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}"
                           for v, rs in by_size.items())
-        text = f"ranks disagree on group_size of group {group!r}: {parts}"
         items = []
         for key in keys:
             slot = self.table.pop(key)
@@ -335,6 +334,7 @@ class Coordinator:
             self.warned.discard(key)
             self.via_bits.pop(key, None)
             self.payload.pop(key, None)
+            text = f"ranks disagree on group_size of tensor {key[1]!r}: {parts}"
             items.append(_error(slot[min(slot)], text, "MismatchError"))
         return items
 
