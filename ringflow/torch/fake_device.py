@@ -97,9 +97,6 @@ class FakeDeviceTensor(torch.Tensor):
             to_cpu = target is not None and torch.device(target).type == "cpu"
             if to_cpu:
                 _count("to_host", args[0].inner.nbytes)
-            elif target is not None and torch.device(target).type == DEVICE_TYPE:
-                if not isinstance(args[0], FakeDeviceTensor):
-                    _count("from_host", args[0].nbytes)
         elif func is torch.ops.aten.copy_.default:
             dst, src = args[0], args[1]
             if isinstance(dst, FakeDeviceTensor) and not isinstance(src, FakeDeviceTensor):
