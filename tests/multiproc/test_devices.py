@@ -81,7 +81,7 @@ def allreduce_on_the_device(transport: str) -> list[str]:
         np.testing.assert_array_equal(asnumpy(y), np.full(x.shape, total, np.float32))
     done.append("fused fp16 group")
     # small cached allreduces stay off the coordinator's eager path on a device
-    for i in range(3):
+    for _ in range(3):
         y = rf.allreduce(to_fake(np.full(4, r + 1, np.float32)), name="small", op=rf.Sum)
         np.testing.assert_array_equal(asnumpy(y), np.full(4, total, np.float32))
     assert rf.stats()["eager"] == 0, rf.stats()
@@ -184,7 +184,7 @@ def device_errors() -> list[str]:
     from ringflow.devices.fake import to_fake
     from ringflow.errors import MismatchError, TensorError
 
-    r, n = _start("auto")
+    r, _ = _start("auto")
     seen = []
     # one rank's tensor on the host, the others' on the device
     x = np.ones(3, np.float32) if r == 0 else to_fake(np.ones(3, np.float32))
