@@ -53,7 +53,7 @@ from .algorithms.reduction import Reduction, scale_only
 from .algorithms.shm import ShmAllreduce, available
 from .devices.host import HOST
 from .errors import ConfigError, ShutdownError
-from .ops import ReduceOp
+from .ops import BFLOAT16, ReduceOp
 from .transport.base import Link, NativeAllreduce, Subset, Transport
 
 __all__ = ["AllreduceImpl", "Backends", "Hierarchical", "HostStaging", "Native", "Nccl", "Ring",
@@ -104,7 +104,9 @@ class Nccl:
     def enabled(self, process_set: int, dtype: np.dtype, op: ReduceOp, device: str) -> bool:
         from .algorithms.nccl import NCCL_DTYPES, NCCL_OPS
 
-        return device == "cuda" and dtype.name in NCCL_DTYPES and op in NCCL_OPS
+        # bfloat16: NCCL has it, but cupy has no such dtype to view the buffer with (staged).
+        return (device == "cuda" and dtype.name in NCCL_DTYPES and op in NCCL_OPS
+                and dtype != BFLOAT16)
 
     def input_view(self, n: int, dtype: np.dtype) -> np.ndarray | None:
         return None

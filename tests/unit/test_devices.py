@@ -143,6 +143,7 @@ def test_nccl_takes_cuda_buffers_of_its_dtypes_only() -> None:
     assert not impl.enabled(0, np.dtype(np.float32), ReduceOp.SUM, "cpu")
     assert not impl.enabled(0, np.dtype(np.float32), ReduceOp.SUM, "fake")
     assert not impl.enabled(0, np.dtype(np.int16), ReduceOp.SUM, "cuda")  # NCCL has no int16
+    assert not impl.enabled(0, BFLOAT16, ReduceOp.SUM, "cuda")  # cupy has no bfloat16
     assert not impl.enabled(0, np.dtype(np.float32), ReduceOp.ADASUM, "cuda")
 
 
