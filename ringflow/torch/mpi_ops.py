@@ -540,7 +540,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 def join(device: int = -1) -> int:
     """Stop contributing data until every rank joined; returns the last rank to join.
 
-    ``device`` is accepted for Horovod compatibility (ringflow's zeros live on the CPU).
+    ``device`` is accepted for Horovod compatibility: a joined rank's zeros go on the device
+    its earlier tensors were on (see :func:`ringflow.devices.joined_like`).
     """
     return _rf.join()
 
