@@ -273,7 +273,11 @@ def scatter(tensors: Sequence[Any] | None, root_rank: int, *args: Any,
 
 def _pieces(tensors: Sequence[Any] | None, n: int) -> tuple[list[np.ndarray], str]:
     """The root's pieces for scatter, or why they cannot be scattered."""
-    pieces = [np.asarray(t) for t in tensors or ()]
+    try:
+        pieces = [np.asarray(t) for t in tensors or ()]
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return [], (f"scatter: the root's arrays must be host (numpy) arrays; a device array "
+                    f"is not scattered yet ({exc})")
     pieces = [p.reshape(1) if p.ndim == 0 else p for p in pieces]
     if len(pieces) != n:
         return [], (f"scatter: the root passed {len(pieces)} arrays for a process set of {n} "

@@ -22,29 +22,42 @@ Horovod's operation manager does:
    and ops it has; scaled by :class:`~ringflow.algorithms.reduction.Reduction` afterwards;
 4. :class:`Ring` -- any process set (:func:`~ringflow.algorithms.ring.allreduce`).
 
-Every implementation accepts CPU buffers only; an item that none accepts fails with a
-ShutdownError naming it. Adasum is an algorithm of its own (``op=Adasum``), not one of these.
+These four take CPU buffers. Device buffers (:mod:`ringflow.devices`; the executor fuses them on
+their device) go to:
+
+0. :class:`Nccl` -- first in the list: device kind ``cuda``, NCCL's dtypes and ops, when every
+   rank of the job can run NCCL (each publishes why it cannot at :func:`connect`, so that all
+   choose alike); one communicator per (process set, device), its unique id through the store;
+5. :class:`HostStaging` -- any other non-CPU item: the buffer is copied to host memory (one copy
+   of the fused buffer, with its library's own copy; straight into shared memory where that
+   implementation offers a view), reduced by the implementation a CPU buffer of that item would
+   get, and copied back.
+
+An item that none accepts fails with a ShutdownError naming it. Adasum is an algorithm of its
+own (``op=Adasum``), not one of these (on a device it is staged with the other collectives).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Protocol
 
 import numpy as np
 
-from . import transport
+from . import devices, transport
 from .algorithms import ring
 from .algorithms.hierarchical import HierarchicalAllreduce
 from .algorithms.reduction import Reduction, scale_only
 from .algorithms.shm import ShmAllreduce, available
+from .devices.host import HOST
 from .errors import ConfigError, ShutdownError
-from .ops import ReduceOp
+from .ops import BFLOAT16, ReduceOp
 from .transport.base import Link, NativeAllreduce, Subset, Transport
 
-__all__ = ["AllreduceImpl", "Backends", "Hierarchical", "Native", "Ring", "SharedMemory",
-           "connect", "shared_memory"]
+__all__ = ["AllreduceImpl", "Backends", "Hierarchical", "HostStaging", "Native", "Nccl", "Ring",
+           "SharedMemory", "connect", "shared_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +83,91 @@ def _into(src: np.ndarray, out: np.ndarray) -> np.ndarray:
     if src is not out:
         np.copyto(out, src)
     return out
+
+
+class Nccl:
+    """ncclAllReduce on CUDA buffers (:class:`~ringflow.algorithms.nccl.NcclComm`).
+
+    The buffer may be a cupy array or a torch CUDA tensor (seen as cupy through DLPack, no copy).
+    A communicator is made for each (process set, device) at its first item, which every member
+    reaches in plan order; the engine thread then waits for the GPU by polling the operation's
+    event (with NCCL's asynchronous error and the job's timeout), never in a blocking CUDA call.
+    UNVERIFIED: nothing of it has run on a GPU yet (tests/gpu).
+    """
+
+    name = "nccl"
+
+    def __init__(self, store: Any, prefix: str, timeout: float) -> None:
+        self.store, self.prefix, self.timeout = store, prefix, timeout
+        self._comms: dict[tuple[tuple[int, ...], int], Any] = {}
+
+    def enabled(self, process_set: int, dtype: np.dtype, op: ReduceOp, device: str) -> bool:
+        from .algorithms.nccl import NCCL_DTYPES, NCCL_OPS
+
+        # bfloat16: NCCL has it, but cupy has no such dtype to view the buffer with (staged).
+        return (device == "cuda" and dtype.name in NCCL_DTYPES and op in NCCL_OPS
+                and dtype != BFLOAT16)
+
+    def input_view(self, n: int, dtype: np.dtype) -> np.ndarray | None:
+        return None
+
+    def _comm(self, link: Link, device: int) -> Any:
+        from .algorithms.nccl import NcclComm
+
+        ranks = tuple(link.members) if isinstance(link, Subset) else tuple(range(link.size))
+        comm = self._comms.get((ranks, device))
+        if comm is None:
+            key = "-".join(map(str, ranks))
+            comm = self._comms[(ranks, device)] = NcclComm(
+                link.rank, link.size, self.store, f"{self.prefix}nccl/{key}/d{device}/",
+                device, self.timeout)
+        return comm
+
+    def allreduce(self, link: Link, src: Any, out: Any, op: ReduceOp,
+                  postscale: float) -> None:
+        import cupy
+
+        buf = out if isinstance(out, cupy.ndarray) else cupy.from_dlpack(out)
+        if src is not out:
+            buf[...] = src if isinstance(src, cupy.ndarray) else cupy.from_dlpack(src)
+        what = f"NCCL allreduce of {buf.size} x {buf.dtype}"
+        self._comm(link, buf.device.id).allreduce(buf, op, postscale, what).wait()
+
+    def close(self) -> None:
+        for comm in self._comms.values():
+            comm.close()
+        self._comms.clear()
+
+
+class HostStaging:
+    """A device buffer reduced on the host by ``inner`` (a CPU implementation): one copy of the
+    buffer to host memory, the CPU allreduce, one copy back (see the module doc)."""
+
+    def __init__(self, inner: AllreduceImpl) -> None:
+        self.inner = inner
+        self.name = f"staging+{inner.name}"
+        self._host: dict[str, np.ndarray] = {}
+
+    def enabled(self, process_set: int, dtype: np.dtype, op: ReduceOp, device: str) -> bool:
+        return device != "cpu"
+
+    def input_view(self, n: int, dtype: np.dtype) -> np.ndarray | None:
+        return None  # the executor packs on the device
+
+    def allreduce(self, link: Link, src: Any, out: Any, op: ReduceOp,
+                  postscale: float) -> None:
+        ns = devices.namespace_of(out) or HOST
+        dtype = ns.dtype(out)
+        n = math.prod(out.shape)
+        host = self.inner.input_view(n, dtype)  # shared memory: stage straight into it
+        if host is None:
+            buf = self._host.get(dtype.str)
+            if buf is None or buf.size < n:
+                buf = self._host[dtype.str] = ns.host_empty(max(n, 1), dtype, out)
+            host = buf[:n]
+        ns.to_host(src, host)
+        self.inner.allreduce(link, host, host, op, postscale)
+        ns.from_host(host, out)
 
 
 class Ring:
@@ -145,10 +243,14 @@ class Backends:
     transport: Transport
     allreduce: tuple[AllreduceImpl, ...]
     shm: ShmAllreduce | None = None
+    #: how long the data plane waits for a device (RINGFLOW_TIMEOUT_S)
+    timeout_s: float = 30.0
+    _staged: dict[int, HostStaging] = dataclasses.field(default_factory=dict)
 
     def allreduce_for(self, process_set: int, dtype: np.dtype, op: ReduceOp,
                       device: str) -> AllreduceImpl:
-        """The first enabled implementation.
+        """The first enabled implementation; for a device buffer that none takes,
+        :class:`HostStaging` around the implementation a CPU buffer would get.
 
         Raises:
             ShutdownError: none is (no implementation for that device, for example).
@@ -156,11 +258,20 @@ class Backends:
         for impl in self.allreduce:
             if impl.enabled(process_set, dtype, op, device):
                 return impl
+        if device != "cpu":
+            inner = self.allreduce_for(process_set, dtype, op, "cpu")
+            staged = self._staged.get(id(inner))
+            if staged is None:
+                staged = self._staged[id(inner)] = HostStaging(inner)
+            return staged
         raise ShutdownError(
             f"no allreduce implementation for {dtype} on device {device!r} in process set "
             f"{process_set} (have: {[i.name for i in self.allreduce]})")
 
     def close(self, linger: float = 2.0) -> None:
+        for impl in self.allreduce:
+            if isinstance(impl, Nccl):
+                impl.close()
         if self.shm is not None:
             self.shm.close()
         self.transport.close(linger)
@@ -173,6 +284,31 @@ def _over(link: Transport, shm: ShmAllreduce | None = None,
         impls.append(Native(link))
     impls.append(Ring())
     return Backends(link, tuple(impls), shm)
+
+
+def _with_nccl(backends: Backends, info: Any, store: Any, config: Any, prefix: str) -> Backends:
+    """Put :class:`Nccl` first when every rank can run NCCL (each publishes why it cannot, so
+    that all choose alike: one rank on NCCL and another staging would wait for each other)."""
+    from .algorithms import nccl
+
+    backends.timeout_s = float(config.timeout_s)
+    why = nccl.unusable_reason()
+    if info.size == 1:
+        if not why:
+            from .rendezvous import MemoryStore
+
+            store = MemoryStore()  # a job of one rank still gets its communicator of one
+    elif store is None:  # init(comm=...): every rank of the job takes this path alike
+        why = "no rendezvous store to carry the NCCL id"
+    else:
+        store.set(f"{prefix}nccl/usable/{info.rank}", (why or "ok").encode())
+        answers = [store.get(f"{prefix}nccl/usable/{r}").decode() for r in range(info.size)]
+        why = next((f"rank {r}: {w}" for r, w in enumerate(answers) if w != "ok"), "")
+    if why:
+        log.debug("CUDA buffers are staged through host memory: %s", why)
+        return backends
+    backends.allreduce = (Nccl(store, prefix, float(config.timeout_s)), *backends.allreduce)
+    return backends
 
 
 def shared_memory(rank: int, size: int, store: Any, config: Any, prefix: str = "",
@@ -203,7 +339,17 @@ def shared_memory(rank: int, size: int, store: Any, config: Any, prefix: str = "
 
 
 def connect(info: Any, store: Any, config: Any, prefix: str, comm: Any = None) -> Backends:
-    """The job's backends, chosen alike on every rank (see the module doc).
+    """The job's backends, chosen alike on every rank (see the module doc), NCCL included.
+
+    Raises:
+        ConfigError: the configured transport cannot be used here.
+        PeerError / RingflowTimeoutError: the other ranks could not be reached in time.
+    """
+    return _with_nccl(_connect(info, store, config, prefix, comm), info, store, config, prefix)
+
+
+def _connect(info: Any, store: Any, config: Any, prefix: str, comm: Any = None) -> Backends:
+    """The transport and the CPU implementations.
 
     Raises:
         ConfigError: the configured transport cannot be used here.

@@ -2,7 +2,9 @@
 
 Both adapters re-export these, so they answer the same everywhere and truthfully for ringflow:
 ringflow moves bytes with its own TCP and shared-memory transports (never Gloo), with MPI when
-mpi4py loads an MPI library, and not yet with NCCL or on GPUs.
+mpi4py loads an MPI library, and allreduces CUDA buffers with NCCL where cupy's NCCL loads and a
+device is present (other CUDA work is staged through host memory). Nothing of the GPU path has
+run on a GPU yet (see the README's "GPUs").
 """
 
 from __future__ import annotations
@@ -48,13 +50,32 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> bool:
-    """False: the NCCL transport is not wired in yet (CPU tensors only)."""
-    return False
+    """True when this process can allreduce CUDA buffers with NCCL: cupy with NCCL loads and a
+    CUDA device is present (:func:`ringflow.algorithms.nccl.unusable_reason`). A job uses it only
+    where every rank can."""
+    from .algorithms import nccl
+
+    return not nccl.unusable_reason()
 
 
 def cuda_built() -> bool:
-    """False: GPU tensors are not supported yet."""
-    return False
+    """True when this process can hand CUDA tensors to ringflow: cupy or torch sees a CUDA
+    device (torch is asked only when already imported). Without NCCL they are staged through
+    host memory."""
+    import sys
+
+    from .algorithms import nccl
+
+    if nccl.available() is not None:
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() > 0:
+                return True
+        except Exception:  # no driver or no device: cupy cannot run here
+            pass
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
 
 
 def rocm_built() -> bool:

@@ -8,8 +8,20 @@ enabled implementation of :class:`~ringflow.backends.Backends` (shared memory, h
 native, ring), which may offer the buffer to pack into (shared memory saves a copy). A rank that
 joined takes part with zeros (allreduce), no rows (allgather), or as a relay (broadcast).
 
-Buffers: one fusion buffer per wire dtype, grown and never shrunk. Outputs are fresh arrays
-unless the caller passed one (``out``, the in-place forms).
+Buffers: one fusion buffer per (device, wire dtype), grown and never shrunk. Outputs are fresh
+arrays unless the caller passed one (``out``, the in-place forms).
+
+Devices (:mod:`ringflow.devices`). An item whose requests name a non-CPU device kind runs with
+the entries' array namespace instead of numpy, through the same code: an allreduce is packed into
+a fusion buffer *on the device* (the cast to the wire dtype and the prescale run there), reduced
+by the implementation :meth:`~ringflow.backends.Backends.allreduce_for` picks (NCCL, or host
+staging of the fused buffer: one copy each way per item), and unpacked on the device. Every other
+collective, and Adasum, is *staged*: each input copied to host memory with its namespace, the
+CPU algorithm run, each output copied back to an array on the input's device (alltoall's
+received splits stay host integers). The item ends with the namespace's ``fence``: the handles
+complete only once the device has finished, found by polling. Small device allreduces never take
+the coordinator's eager path (:func:`eager_input`): that would copy to the host on the
+submitting thread.
 """
 
 from __future__ import annotations
@@ -19,9 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms
+from . import algorithms, devices
 from .backends import Backends
 from .collectives import COLLECTIVES
+from .devices import ArrayNamespace
+from .devices.host import HOST
 from .negotiation import EAGER_BYTES, Request, Response
 from .ops import DTYPES, ReduceOp, scale_into
 from .transport.base import Link, Subset
@@ -47,7 +61,7 @@ class Executor:
     def __init__(self, backends: Backends, process_sets: dict[int, list[int]]) -> None:
         self.backends = backends
         self.process_sets = process_sets
-        self._fusion: dict[str, np.ndarray] = {}
+        self._fusion: dict[tuple[str, str, str], Any] = {}  # (namespace, device, dtype)
         self._subsets: dict[int, Subset] = {}
 
     def link(self, ps: int) -> Link:
@@ -66,7 +80,55 @@ class Executor:
     def run(self, item: Response, entries: list[Entry | None]) -> list[Any]:
         """Execute one data-plane plan item; the outputs, one per entry (None for a joined
         rank's)."""
-        return _RUN[item.kind](self, self.link(item.process_set), item, entries)
+        ref = item.requests[0]
+        if ref.device == "cpu":
+            return _RUN[item.kind](self, self.link(item.process_set), item, entries)
+        ns, like = self._device(ref.device, entries)
+        if item.kind == "allreduce" and ref.reduce_op != ReduceOp.ADASUM:
+            outs = self._allreduce(self.link(item.process_set), item, entries, ns, like)
+        else:
+            outs = self._staged(item, entries, ns)
+        ns.fence(like, self.backends.timeout_s)
+        return outs
+
+    @staticmethod
+    def _device(kind: str, entries: list[Entry | None]) -> tuple[ArrayNamespace, Any]:
+        """The namespace of the item's arrays on this rank, and one of them to allocate like."""
+        for e in entries:
+            if e is not None and e.array is not None:
+                ns = devices.namespace_of(e.array)
+                if ns is not None:
+                    return ns, e.array
+        return devices.joined_like(kind)  # nothing of this rank's own: it joined
+
+    def _staged(self, item: Response, entries: list[Entry | None],
+                ns: ArrayNamespace) -> list[Any]:
+        """Run ``item`` on host copies of the device inputs; outputs back on the device."""
+        host: list[Entry | None] = []
+        for e in entries:
+            if e is None or e.array is None or devices.namespace_of(e.array) is None:
+                host.append(e)
+                continue
+            h = np.empty(tuple(e.array.shape), ns.dtype(e.array))
+            ns.to_host(e.array, h)
+            host.append(Entry(e.request, h, None, e.handle))
+        results = _RUN[item.kind](self, self.link(item.process_set), item, host)
+        outs: list[Any] = []
+        for e, r in zip(entries, results, strict=True):
+            if e is None or r is None or e.array is None or devices.namespace_of(e.array) is None:
+                outs.append(r)
+            elif isinstance(r, tuple):  # alltoall: (rows, received splits)
+                outs.append((self._to_device(ns, r[0], e.array, None), *r[1:]))
+            else:
+                outs.append(self._to_device(ns, r, e.array, e.out))
+        return outs
+
+    @staticmethod
+    def _to_device(ns: ArrayNamespace, host: np.ndarray, like: Any, out: Any) -> Any:
+        if out is None:
+            out = ns.empty(host.shape, host.dtype, like)
+        ns.from_host(np.ascontiguousarray(host), out)
+        return out
 
     def _root(self, item: Response) -> int:
         """The item's root within its process set (``root`` is a global rank)."""
@@ -113,7 +175,8 @@ class Executor:
         out = algorithms.reducescatter(t, buf, ReduceOp(req.reduce_op), req.postscale)
         return [out.astype(entry.array.dtype, copy=False)]
 
-    def _allreduce(self, t: Link, item: Response, entries: list[Entry | None]) -> list[Any]:
+    def _allreduce(self, t: Link, item: Response, entries: list[Entry | None],
+                   ns: ArrayNamespace = HOST, like: Any = None) -> list[Any]:
         refs = item.requests
         ref = refs[0]
         wire = ref.wire_dtype
@@ -128,34 +191,33 @@ class Executor:
             return unpack(buf, refs, entries)
         impl = self.backends.allreduce_for(item.process_set, wire, reduce_op, ref.device)
         e0 = entries[0]
-        if len(refs) == 1 and e0 is not None and e0.array is not None and e0.array.dtype == wire:
-            result = _output(e0, ref)
-            out, src = result.reshape(-1), e0.array.reshape(-1)
+        if (len(refs) == 1 and e0 is not None and e0.array is not None
+                and ns.dtype(e0.array) == wire):
+            result = _output(e0, ref, ns)
+            out, src = ns.flat(result), ns.flat(e0.array)
             if ref.prescale != 1.0:
                 view = impl.input_view(total, wire)
                 src = out if view is None else view
-                scale_into(e0.array.reshape(-1), ref.prescale, src)
+                ns.copy(src, ns.flat(e0.array), ref.prescale)
             impl.allreduce(t, src, out, reduce_op, ref.postscale)
             return [result]
         view = impl.input_view(total, wire)
-        buf = self._fusion_buffer(wire, total) if view is None else view
-        self._pack(buf, entries, sizes, ref.prescale)
+        buf = self._fusion_buffer(wire, total, ns, like) if view is None else view
+        self._pack(buf, entries, sizes, ref.prescale, ns)
         impl.allreduce(t, buf, buf, reduce_op, ref.postscale)
-        return unpack(buf, refs, entries)
+        return unpack(buf, refs, entries, ns)
 
     @staticmethod
-    def _pack(buf: np.ndarray, entries: list[Entry | None], sizes: list[int],
-              prescale: float) -> np.ndarray:
+    def _pack(buf: Any, entries: list[Entry | None], sizes: list[int], prescale: float,
+              ns: ArrayNamespace = HOST) -> Any:
         """Each entry's input, prescaled, cast to ``buf``'s dtype; zeros for a joined rank."""
         offset = 0
         for entry, n in zip(entries, sizes, strict=True):
             view = buf[offset:offset + n]
             if entry is None or entry.array is None:
-                view.fill(0)
-            elif prescale != 1.0:
-                scale_into(entry.array.reshape(-1), prescale, view)
+                ns.zero(view)
             else:
-                np.copyto(view, entry.array.reshape(-1), casting="unsafe")
+                ns.copy(view, ns.flat(entry.array), prescale)
             offset += n
         return buf
 
@@ -188,11 +250,14 @@ class Executor:
                 offset += n
         return [o if e is not None else None for o, e in zip(outs, entries, strict=True)]
 
-    def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
-        """A reused buffer of at least ``n`` elements of ``dtype`` (grown, never shrunk)."""
-        buf = self._fusion.get(dtype.str)
-        if buf is None or buf.size < n:
-            buf = self._fusion[dtype.str] = np.empty(max(n, 1), dtype)
+    def _fusion_buffer(self, dtype: np.dtype, n: int, ns: ArrayNamespace = HOST,
+                       like: Any = None) -> Any:
+        """A reused buffer of at least ``n`` elements of ``dtype`` on ``like``'s device (grown,
+        never shrunk)."""
+        key = (ns.name, "cpu" if like is None else ns.device(like), dtype.str)
+        buf = self._fusion.get(key)
+        if buf is None or math.prod(buf.shape) < n:
+            buf = self._fusion[key] = ns.empty((max(n, 1),), dtype, like)
         return buf[:n]
 
 
@@ -206,10 +271,12 @@ if _MISSING:  # a collective in the table that the executor cannot run, or the o
     raise ImportError(f"ringflow.executor and ringflow.collectives disagree on {_MISSING}")
 
 
-def _output(entry: Entry, req: Request) -> np.ndarray:
+def _output(entry: Entry, req: Request, ns: ArrayNamespace = HOST) -> Any:
     if entry.out is not None:
         return entry.out
-    return np.empty(req.shape, entry.array.dtype if entry.array is not None else DTYPES[req.dtype])
+    if entry.array is None:
+        return np.empty(req.shape, DTYPES[req.dtype])
+    return ns.empty(req.shape, ns.dtype(entry.array), entry.array)
 
 
 def _scaled(array: np.ndarray, factor: float, dtype: np.dtype) -> np.ndarray:
@@ -223,7 +290,7 @@ def eager_input(entry: Entry) -> np.ndarray | None:
     prescaled tensor in its wire dtype, for allreduces of at most ``EAGER_BYTES``."""
     req, arr = entry.request, entry.array
     if (req.kind != "allreduce" or arr is None or req.nbytes > EAGER_BYTES
-            or req.reduce_op == ReduceOp.ADASUM):
+            or req.reduce_op == ReduceOp.ADASUM or req.device != "cpu"):
         return None
     flat = arr.reshape(-1)
     wire = req.wire_dtype
@@ -233,7 +300,8 @@ def eager_input(entry: Entry) -> np.ndarray | None:
     return flat if flat.dtype == wire else flat.astype(wire)
 
 
-def unpack(result: np.ndarray, refs: tuple[Request, ...], entries: list[Entry | None]) -> list:
+def unpack(result: Any, refs: tuple[Request, ...], entries: list[Entry | None],
+           ns: ArrayNamespace = HOST) -> list:
     """Each entry's output from the fused ``result`` (casting decompresses)."""
     outs: list[Any] = []
     offset = 0
@@ -242,8 +310,8 @@ def unpack(result: np.ndarray, refs: tuple[Request, ...], entries: list[Entry | 
         if entry is None:
             outs.append(None)
         else:
-            out = _output(entry, r)
-            np.copyto(out, result[offset:offset + n].reshape(r.shape), casting="unsafe")
+            out = _output(entry, r, ns)
+            ns.copy(ns.flat(out), result[offset:offset + n])
             outs.append(out)
         offset += n
     return outs

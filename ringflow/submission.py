@@ -7,6 +7,11 @@ operation with the same text), and the engine gets a :class:`~ringflow.negotiati
 Unnamed tensors get deterministic names from (kind, process set, call order), counted per
 engine: a job's counters start at 0 on every rank, and the ranks of
 :func:`ringflow.testing.run_engines` (threads of one process) each count their own.
+
+A device array (a cupy array, a torch CUDA tensor, the stand-in's array: see
+:mod:`ringflow.devices`) stays on its device: the request carries its device kind, its dtype and
+shape are read through its namespace, and the namespace's ``ready`` orders its pending writes
+before the engine's work. Anything else is read with ``np.asarray``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from . import devices
 from . import ops as _ops
 from .collectives import collective, local_error
 from .errors import AdasumError, RingflowError, TensorError
@@ -37,8 +43,10 @@ _counters: weakref.WeakKeyDictionary[Any, dict[str, itertools.count]] = (
 
 
 def reset_names() -> None:
-    """A fresh job (``init()``): unnamed tensors are counted from 0 again on every rank."""
+    """A fresh job (``init()``): unnamed tensors are counted from 0 again on every rank, and
+    devices are claimed again."""
     _counters.clear()
+    devices.forget()
 
 
 def name_of(kind: str, name: str | None, ps: int) -> str:
@@ -62,24 +70,56 @@ def as_array(array: Any, what: str) -> tuple[np.ndarray | None, str]:
     return arr, ""
 
 
+def device_array(ns: devices.ArrayNamespace, array: Any, what: str
+                 ) -> tuple[Any, str, str]:
+    """A device array as the engine takes it (contiguous, on its device): (array or None,
+    device kind, the reason it cannot be used)."""
+    device = ns.device(array)
+    try:
+        ns.dtype(array)
+    except RingflowError as exc:
+        return None, devices.kind_of(device), f"{what}: {exc}"
+    error = devices.claim(ns, array, device, what)
+    if error:
+        return None, devices.kind_of(device), error
+    arr = array if ns.is_contiguous(array) else ns.contiguous(array)
+    ns.ready(arr)
+    return arr, devices.kind_of(device), ""
+
+
 def request(kind: str, array: Any, name: str, process_set: ProcessSet, out: Any = None,
-            **fields: Any) -> tuple[Request, np.ndarray | None, Any]:
+            **fields: Any) -> tuple[Request, Any, Any]:
     """The request for ``array`` (carrying the reason if it cannot take part), input, output.
 
     ``fields`` may carry an ``error`` the caller found already (it wins)."""
     given = fields.pop("error", "")
-    arr, error = as_array(array, f"tensor {name!r}")
-    if out is not None and not error and (
-        not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.shape != arr.shape
-    ):
-        error = f"the output for {name!r} must be a C-contiguous array of shape {arr.shape}"
+    what = f"tensor {name!r}"
+    ns = devices.namespace_of(array)
+    if ns is not None and ns.device(array) != "cpu":
+        arr, device, error = device_array(ns, array, what)
+        meta: Any = None if arr is None else devices.Meta(ns.dtype(arr), tuple(arr.shape))
+        if out is not None and not error and (
+            devices.namespace_of(out) is not ns or ns.device(out) != ns.device(arr)
+            or not ns.is_contiguous(out) or tuple(out.shape) != meta.shape
+        ):
+            error = (f"the output for {name!r} must be a contiguous array of shape {meta.shape} "
+                     f"on {ns.device(arr)}, like the input")
+    else:
+        device = "cpu"
+        arr, error = as_array(array, what)
+        meta = arr
+        if out is not None and not error and (
+            not isinstance(out, np.ndarray) or not out.flags.c_contiguous
+            or out.shape != arr.shape
+        ):
+            error = f"the output for {name!r} must be a C-contiguous array of shape {arr.shape}"
     if not error:
-        error = local_error(kind, arr, name, process_set._members(), size(), fields)
+        error = local_error(kind, meta, name, process_set._members(), size(), fields)
     error = given or error
     req = Request(
-        name=name, kind=kind, dtype="" if arr is None else _ops.dtype_name(arr.dtype),
-        shape=() if arr is None else tuple(arr.shape), process_set=process_set.process_set_id,
-        error=error, **fields,
+        name=name, kind=kind, dtype="" if meta is None else _ops.dtype_name(meta.dtype),
+        shape=() if meta is None else tuple(meta.shape), process_set=process_set.process_set_id,
+        device=device, error=error, **fields,
     )
     return req, arr, out
 

@@ -2,9 +2,10 @@
 
 **Status: UNVERIFIED.** Written on a machine without a GPU; nothing here has run on one. The pure
 functions (dtype/op tables, unique-id encoding, row splits) are tested on CPU; everything that
-touches CUDA is covered by ``tests/gpu/``, which skips without cupy and a device. It is not yet
-wired into the engine or the adapters, and not registered as a transport (so
-``ringflow-run --check-build`` keeps listing NCCL as "not in this build").
+touches CUDA is covered by ``tests/gpu/``, which skips without cupy and a device. The engine uses
+:meth:`NcclComm.allreduce` through :class:`ringflow.backends.Nccl` (the ``cuda`` allreduce
+implementation); the other collectives here are not wired in (the executor stages them through
+host memory).
 
 Setup: :class:`NcclComm` is one NCCL communicator per (process set, device). Rank 0 draws the
 unique id (``ncclGetUniqueId``) and publishes it in the rendezvous store under
@@ -53,6 +54,7 @@ __all__ = [
     "row_splits",
     "stage_to_host",
     "unpack",
+    "unusable_reason",
 ]
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,21 @@ def available() -> str | None:
     major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
     minor, patch = divmod(rest, 100)
     return f"NCCL {major}.{minor}.{patch}"
+
+
+def unusable_reason() -> str:
+    """Why NCCL cannot run in this process ("" if it can): cupy's NCCL loads and a CUDA device
+    is present. Imports nothing when cupy is not installed."""
+    version = available()
+    if version is None:
+        return f"cupy with NCCL does not load here ({_INSTALL})"
+    try:
+        import cupy
+
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # no driver or no device: any CUDA failure means "not usable"
+        return f"no CUDA device ({type(exc).__name__}: {exc})"
+    return "" if count else "no CUDA device"
 
 
 def encode_unique_id(uid: Sequence[int]) -> bytes:

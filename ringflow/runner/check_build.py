@@ -3,9 +3,11 @@
 Everything is found without importing the heavy packages (``importlib.util.find_spec``): checking
 the build must take a fraction of a second, not the seconds an ``import torch`` takes. A transport
 is available when it is registered in :mod:`ringflow.transport` *and* its optional dependency is
-installed (``mpi``: mpi4py; ``nccl``: cupy); a GPU is one that ``nvidia-smi -L`` lists. MPI is the
-exception: :func:`ringflow.transport.mpi.available` asks a child Python for the MPI library's
-version (about 0.2 s; importing mpi4py.MPI here would initialize MPI), which the list shows.
+installed (``mpi``: mpi4py); a GPU is one that ``nvidia-smi -L`` lists. Two exceptions:
+:func:`ringflow.transport.mpi.available` asks a child Python for the MPI library's version
+(about 0.2 s; importing mpi4py.MPI here would initialize MPI), and NCCL (not a transport: the
+allreduce of CUDA buffers, :class:`ringflow.backends.Nccl`) is listed when cupy is installed,
+its NCCL loads and nvidia-smi lists a GPU, with the NCCL version.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import subprocess
+from typing import Any
 
 __all__ = ["check_build"]
 
@@ -22,7 +25,6 @@ _TRANSPORTS = (
     ("TCP", None, ""),
     ("SHM", None, ""),
     ("MPI", "mpi4py", "pip install 'ringflow[mpi]'"),
-    ("NCCL", "cupy", "pip install 'ringflow[gpu]'"),
 )
 
 
@@ -44,6 +46,22 @@ def _gpus() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in out.splitlines() if line.startswith("GPU")]
+
+
+def _nccl_line(mark: Any, gpus: list[str]) -> str:
+    """NCCL: cupy installed, its NCCL loads, and a GPU is listed (CUDA is not initialized)."""
+    if not _installed("cupy"):
+        return (f"    {mark(False)} NCCL  (cupy missing: pip install 'ringflow[gpu]'; CUDA "
+                "tensors are staged through host memory)")
+    from ..algorithms import nccl
+
+    version = nccl.available()
+    if version is None:
+        return f"    {mark(False)} NCCL  (cupy is installed but its NCCL does not load)"
+    if not gpus:
+        return f"    {mark(False)} NCCL  ({version} loads, but nvidia-smi lists no GPU)"
+    return (f"    {mark(True)} NCCL  ({version}, allreduce of CUDA buffers; other collectives "
+            "staged)")
 
 
 def check_build(version: str) -> str:
@@ -73,11 +91,12 @@ def check_build(version: str) -> str:
         elif not ok:
             note = f"  ({needs} missing: {hint})"
         lines.append(f"    {mark(ok)} {name}{note}")
+    gpus = _gpus()
+    lines.append(_nccl_line(mark, gpus))
     lines += ["", "Available Launchers:"]
     lines += [f"    {mark(shutil.which('ssh') is not None)} ssh (ringflow-run -H)"]
     lines += [f"    {mark(shutil.which('mpirun') is not None)} mpirun"]
     lines += [f"    {mark(shutil.which('srun') is not None)} srun"]
-    gpus = _gpus()
     lines += ["", "GPUs:"]
     lines += [f"    {g}" for g in gpus] or ["    none found (nvidia-smi -L)"]
     return "\n".join(lines) + "\n"

@@ -101,8 +101,16 @@ def _call(fn: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
           touts: Sequence[tf.DType], name: str | None) -> list[tf.Tensor]:
     """Run ``fn`` (numpy in, list of numpy out) now (eager) or as a graph op in trace order."""
     if tf.executing_eagerly():
-        return [tf.convert_to_tensor(out, dtype=t)
+        # A GPU tensor is staged through host memory with TensorFlow's own copies (``numpy()``
+        # here, the numpy_function's host placement in a graph); eagerly the results go back
+        # to the first input's device, as Horovod's GPU ops return them.
+        outs = [tf.convert_to_tensor(out, dtype=t)
                 for out, t in zip(fn(*[x.numpy() for x in inputs]), touts, strict=True)]
+        device = getattr(inputs[0], "device", "") if inputs else ""
+        if "GPU" not in device.upper():
+            return outs
+        with tf.device(device):
+            return [tf.identity(o) for o in outs]
     graph = tf.compat.v1.get_default_graph()
     previous = _LAST_OP.get(graph)
     with tf.control_dependencies([] if previous is None else [previous]):

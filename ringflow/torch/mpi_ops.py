@@ -2,8 +2,9 @@
 
 Every collective has Horovod's forms: ``op`` (synchronous and differentiable), ``op_async``
 (returns a handle for :func:`poll` / :func:`synchronize`) and, where Horovod has them, ``op_`` /
-``op_async_`` (in place). Tensors reach the engine without a copy (:mod:`._tensors`);
-compression is the engine's (it casts while fusing).
+``op_async_`` (in place). Tensors reach the engine without a copy (:mod:`._tensors`), CUDA
+tensors included (they stay on their device, and so do the results); compression is the
+engine's (it casts while fusing).
 
 What is not torch-specific lives in the adapter kit (:mod:`ringflow._adapter`): op resolution,
 names (``"<kind>.<name>"``; backward operations ``"<name>.grad"``), default splits, compression
@@ -25,7 +26,7 @@ from .. import ProcessSet, global_process_set
 from .. import _adapter as kit
 from ..compression import Compressor
 from ..ops import Average, ReduceOp
-from ._tensors import from_numpy, prepare, to_numpy
+from ._tensors import from_core, prepare, to_core
 from .compression import Compression
 
 __all__ = [
@@ -133,9 +134,8 @@ def _outputs(tensors: Sequence[Any], kind: str, inplace: bool
         results = list(tensors)
         finishers = [_inplace_finish(x, t) for x, (_, t) in zip(tensors, prepared, strict=True)]
     else:
-        results = [None if t is None else torch.empty(t.shape, dtype=t.dtype)
-                   for _, t in prepared]
-        outs = [None if r is None else to_numpy(r) for r in results]
+        results = [None if t is None else t.new_empty(t.shape) for _, t in prepared]
+        outs = [None if r is None else to_core(r) for r in results]
         finishers = []
     # An input that failed validation: its request fails the whole operation on every rank.
     return arrays, (None if any(o is None for o in outs) else outs), results, finishers
@@ -151,7 +151,7 @@ def _finished(results: list[Any], finishers: list[Any], group: bool) -> Callable
 
 
 def _wrap(result: Any) -> torch.Tensor:
-    return from_numpy(np.asarray(result))
+    return from_core(result)
 
 
 def _allreduce_async(tensors: Sequence[Any], group: bool, inplace: bool, name: str | None,
@@ -567,7 +567,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 def join(device: int = -1) -> int:
     """Stop contributing data until every rank joined; returns the last rank to join.
 
-    ``device`` is accepted for Horovod compatibility (ringflow's zeros live on the CPU).
+    ``device`` is accepted for Horovod compatibility: a joined rank's zeros go on the device
+    its earlier tensors were on (see :func:`ringflow.devices.joined_like`).
     """
     return _rf.join()
 
