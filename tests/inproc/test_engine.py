@@ -21,6 +21,7 @@ import ringflow
 from ringflow import submission
 from ringflow.collectives import COMPARED
 from ringflow.config import Config
+from ringflow.devices import fake
 from ringflow.errors import RankFailure, RingflowError
 from ringflow.negotiation import EAGER_BYTES
 from ringflow.ops import DTYPES
@@ -250,7 +251,7 @@ def mismatch_cases(r: int, n: int, rf: Any) -> list[tuple[str, str, Any, str, st
     gps = rf.global_process_set
 
     def raw(name: str, **fields: Any) -> Any:
-        # Fields the public API sets only through an adapter (device) or a group (group_size).
+        # A field the public API sets only through a group (group_size).
         return submission.submit("allreduce", x, name, gps, compression="none",
                                  **submission.scales(rf.Sum, 1.0, 1.0), **fields).wait()
 
@@ -277,8 +278,10 @@ def mismatch_cases(r: int, n: int, rf: Any) -> list[tuple[str, str, Any, str, st
          lambda: rf.allreduce(x, name="m.compression",
                               compression=rf.Compression.fp16 if last else rf.Compression.none),
          "'none'", "'fp16'"),
-        ("device", "m.device", lambda: raw("m.device", device="cuda:0" if last else "cpu"),
-         "'cpu'", "'cuda:0'"),
+        # The stand-in device (ringflow.devices.fake): the request names the device kind.
+        ("device", "m.device",
+         lambda: rf.allreduce(fake.to_fake(x) if last else x, name="m.device", op=rf.Sum),
+         "'cpu'", "'fake'"),
         ("group", "m.group.0",
          lambda: rf.allreduce(x, name="m.group.0") if last
          else rf.grouped_allreduce([x], name="m.group"), "'m.group'", "''"),
