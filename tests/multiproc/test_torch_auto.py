@@ -114,6 +114,7 @@ def test_auto_mode_edges(n: int, tmp_path: Path) -> None:
             "broken": "no such checkpoint",
             "broadcast": [1.0, 1.0],
             "averaged": [1 - (n + 1) / 4] * 2,
+            "tiny_len": 2 if n == 1 or r == 0 else 1,
             "iterable": [0, 1, 2, 3],
             "uneven": [share(list(range(5)), n, r), share(list(range(5, 10)), n, r)],
             "left_alone_warnings": [] if n == 1 else [

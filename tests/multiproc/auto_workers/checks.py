@@ -93,6 +93,7 @@ result["averaged"] = w.tolist()
 # A training loader whose last batch has fewer samples than ranks: ranks without a share of it
 # step after the next epoch's first batch; every rank fails with the same error, not silently.
 tiny = DataLoader(TensorDataset(torch.ones(n + 1, 2)), batch_size=n)  # batches of n and 1
+result["tiny_len"] = len(tiny)  # what this rank will iterate: ranks without a share, one fewer
 try:
     for _ in range(2):
         for (inputs,) in tiny:
