@@ -17,7 +17,8 @@ Validation, checkpointing and logging are often written for one process. Two for
      after 600 s), and without holding a connection's data plane.
 
   Cost: one store write of the pickled result and one read per other rank. Keys are not
-  deleted (one per call, the size of the result).
+  deleted (one per call, the size of the result). The result must pickle (``pickle``) to at most
+  the store's 64 MiB; otherwise every rank raises a TypeError saying so.
 
 - ``with single_process_scope():`` -- the *local mode*: the block runs on every rank that enters
   it (Python cannot skip a ``with`` body), and inside it ringflow's automatic distribution acts
@@ -147,10 +148,11 @@ def _run_on_root(root: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> A
             raise
         try:
             client.user_set(key, outcome)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            error = TypeError(f"{_name(fn)} returned a value that cannot be pickled for the "
-                              f"other ranks ({exc}); return something picklable (numbers, "
-                              "strings, tensors, dicts of them)")
+        except Exception as exc:  # not picklable, or larger than the store takes (64 MiB)
+            error = TypeError(f"{_name(fn)} returned a value that cannot be handed to the other "
+                              f"ranks ({type(exc).__name__}: {exc}); return something "
+                              "picklable and below 64 MiB (numbers, strings, tensors, dicts of "
+                              "them), and pass larger objects through a file")
             client.user_set(key, ("error", error))
             raise error from exc
         return outcome[1]

@@ -171,3 +171,17 @@ def test_a_root_outside_the_job_is_refused() -> None:
 
     with pytest.raises(ringflow.errors.ConfigError, match="the job has 1 ranks"):
         f()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_result_that_cannot_reach_the_other_ranks_fails_every_rank(n: int) -> None:
+    @ringflow.single_process_scope
+    def unpicklable() -> Any:
+        return lambda: None  # pickle refuses a lambda
+
+    def body(r: int, rf: Any) -> str:
+        with pytest.raises(TypeError, match="cannot be handed to the other ranks") as info:
+            unpicklable()
+        return str(info.value).split(" (")[0]
+
+    assert len(set(run_engines(n, body, deadline=DEADLINE))) == 1
