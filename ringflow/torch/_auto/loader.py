@@ -7,9 +7,9 @@ batches one process sees, each sample once, nothing repeated or dropped.
 
 Each epoch (each ``iter(loader)``), every rank iterates the loader's own batch sampler to the end,
 so its random number generator advances as one process's would; then rank 0's list of batches
-is broadcast (one ``broadcast_object`` of the indices, 8 bytes each) and every rank takes its
-share of rank 0's batches. A ``SequentialSampler`` needs no broadcast. The batch sampler must be
-finite.
+is broadcast (one ``broadcast_object`` of the pickled lists: about 5 bytes per index, and any
+index a dataset takes, not only integers) and every rank takes its share of rank 0's batches.
+A ``SequentialSampler`` needs no broadcast. The batch sampler must be finite.
 
 Left alone: a DataLoader of an ``IterableDataset`` or with ``batch_size=None`` (warned once:
 shard those yourself), and one whose sampler is a ``DistributedSampler`` (sharded already).
@@ -32,7 +32,6 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 from torch.utils.data.sampler import BatchSampler
@@ -77,8 +76,8 @@ class GlobalBatches:
         batches = [list(b) for b in self.inner]
         if not _deterministic(self.inner):
             ensure_init()
-            batches = _unflatten(*broadcast_object(_flatten(batches) if r == 0 else None, 0,
-                                                   name="ringflow.auto.loader"))
+            batches = broadcast_object(batches if r == 0 else None, 0,
+                                       name="ringflow.auto.loader")
         global _clock
         for batch in batches:
             _clock += 1
@@ -114,16 +113,6 @@ def _last_length(inner: Any) -> int:
         except TypeError:
             return 0
     return 0
-
-
-def _flatten(batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    flat = np.fromiter((i for b in batches for i in b), np.int64)
-    return flat, np.fromiter((len(b) for b in batches), np.int64, len(batches))
-
-
-def _unflatten(flat: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
-    return [part.tolist() for part in np.split(flat, np.cumsum(lengths)[:-1])] \
-        if lengths.size else []
 
 
 def _index_sampler(loader: DataLoader[Any]) -> Any:
