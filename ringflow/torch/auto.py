@@ -27,14 +27,17 @@ Limits:
 - Gradients are averaged in ``step()``. A loop that never calls ``optimizer.step()`` (its own
   update rule), or an optimizer that is not a ``torch.optim.Optimizer``, is not averaged; nor
   are gradients read before ``step()`` (clipping by norm sees this rank's gradients; use
-  ``hvd.DistributedOptimizer`` and ``synchronize()`` for that). Every rank must call
-  ``step()`` equally often on each optimizer (checked: a MismatchError otherwise), so a
-  ``GradScaler`` that skips a step on some ranks only fails.
+  ``hvd.DistributedOptimizer`` and ``synchronize()`` for that). Every rank must step each
+  optimizer after the same DataLoader batches (checked at every step: a MismatchError on every
+  rank otherwise), so a ``GradScaler`` that skips a step on some ranks only fails.
 - Parameters are broadcast when the optimizer is made: parameters added later
   (``add_param_group``) are not.
 - A DataLoader with an explicit ``DistributedSampler`` is left alone; one of an
   ``IterableDataset`` or with ``batch_size=None`` is not sharded (a warning says so once).
   Other samplers and batch samplers are sharded (rank 0's batches split); they must be finite.
+  Data a script slices from tensors itself is not sharded: every rank then computes the same
+  gradients (the result is still one process's, without the speed-up), and the step check
+  below sees nothing.
 - A batch that does not divide evenly among the ranks gives shares that differ by one (the
   average of their mean gradients then differs slightly from one process's); a last batch with
   fewer samples than ranks gives some ranks one batch fewer (set ``drop_last=True`` on training
