@@ -47,6 +47,7 @@ from .runtime import (
     stats,
     stop_timeline,
 )
+from .single_process import single_process_scope  # Jittor's (DESIGN.md section 10)
 from .submission import GroupHandle, name_of, scales, submit, submit_group
 
 __version__ = "0.1.0"
@@ -104,6 +105,7 @@ __all__ = [
     "scatter",
     "scatter_async",
     "shutdown",
+    "single_process_scope",
     "size",
     "start_timeline",
     "stats",

@@ -192,11 +192,33 @@ def running() -> Any:
     return engine
 
 
-def _rank_info() -> RankInfo:
-    running()
-    return _state()[1]  # type: ignore[no-any-return]
+def _rank_info(placed: bool = False) -> RankInfo:
+    """The running job's RankInfo; before :func:`init`, the launcher's (``topology.detect()``).
+
+    Raises:
+        NotInitializedError: this thread is a rank of ``run_engines`` whose engine was shut
+            down; or ``placed`` and the launcher does not give local values before init().
+        ConfigError: not initialized, and the launcher's environment is invalid or says the
+            job has several processes without a rank variable (what init() would raise).
+    """
+    engine, info, _ = _state()
+    if engine is not None:
+        return info  # type: ignore[no-any-return]
+    if getattr(_local, "binding", None) is not None:
+        running()  # raises: a thread-rank does not fall back to the process's environment
+    from . import topology
+
+    info = topology.detect()
+    if placed and not info.placed:
+        raise NotInitializedError(
+            f"the {info.detector} launcher gives no local rank or size before init() (they "
+            "come from the ranks' host names, which init() exchanges); call ringflow.init() "
+            "first, or set LOCAL_RANK and LOCAL_WORLD_SIZE")
+    return info
 
 
+# Before init() these answer from the launcher's environment, as Jittor's jt.rank and
+# jt.world_size do (DESIGN.md section 10); after shutdown() too.
 def rank() -> int:
     return int(_rank_info().rank)
 
@@ -206,19 +228,19 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    return int(_rank_info().local_rank)
+    return int(_rank_info(placed=True).local_rank)
 
 
 def local_size() -> int:
-    return int(_rank_info().local_size)
+    return int(_rank_info(placed=True).local_size)
 
 
 def cross_rank() -> int:
-    return int(_rank_info().cross_rank)
+    return int(_rank_info(placed=True).cross_rank)
 
 
 def cross_size() -> int:
-    return int(_rank_info().cross_size)
+    return int(_rank_info(placed=True).cross_size)
 
 
 def stats() -> dict[str, int]:
@@ -246,7 +268,8 @@ def _raise_exit(signum: int, frame: object) -> None:
 
 
 def info() -> RankInfo:
-    """This process's :class:`~ringflow.topology.RankInfo` (``detector`` names the launcher)."""
+    """This process's :class:`~ringflow.topology.RankInfo` (``detector`` names the launcher);
+    before :func:`init`, the launcher's (local values 0 where it gives none: ``placed`` False)."""
     return _rank_info()
 
 

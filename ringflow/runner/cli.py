@@ -126,6 +126,10 @@ meaning what its flag means.
 mapping and passes the value on to the workers as the ``RINGFLOW_*`` variable. A flag or a set
 ``RINGFLOW_*`` variable wins.
 
+``--auto`` runs an unchanged single-process torch script data-parallel (:mod:`ringflow.torch.auto`):
+the workers' ``PYTHONPATH`` starts with ``ringflow/runner/_autostart``, whose ``sitecustomize``
+enables auto mode once the program imports torch.
+
 Workers get torchrun's variables as well (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...;
 :mod:`.launch`), so ``torch.distributed.init_process_group("gloo")`` works inside a job.
@@ -243,6 +247,9 @@ def _parser() -> argparse.ArgumentParser:
         "--prefix-output-with-timestamp", dest="prefix_timestamp", action="store_true",
         help="prefix each output line with the time")
     add("--verbose", action="store_true", help="log what the launcher does to stderr")
+    add("--auto", action="store_true",
+        help="run an unchanged single-process torch script data-parallel: every worker "
+             "imports ringflow.torch.auto once it imports torch (Jittor's mpirun mode)")
     tune = p.add_argument_group("tuning (passed to the workers as RINGFLOW_* variables)")
     tune.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
                       help="fusion buffer size in MiB; 0 disables fusion (default 128)")
@@ -583,6 +590,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              "--transport auto (shared memory within hosts, "
                                              "TCP across)"))
         env, messages = _worker_env(args, os.environ)
+        if args.auto:  # ringflow.torch.auto in every worker (ringflow/runner/_autostart)
+            from ._autostart import worker_pythonpath
+
+            env["PYTHONPATH"] = worker_pythonpath(env)
         if args.network_interface and any(is_local(w.host) for w in workers):
             from .netif import interface_ipv4
 

@@ -35,6 +35,12 @@ Differences from Horovod 0.28 (each one deliberate):
 - ``broadcast_object`` / ``allgather_object`` use a fixed default name (Horovod's is the type's
   name, which differs when non-root ranks pass ``None``); ``broadcast_optimizer_state`` handles
   every ``torch.optim`` optimizer, LBFGS included, and state present on some ranks only.
+- ``rank()``, ``size()`` (and ``local_*``, ``cross_*`` where the launcher gives them) answer
+  before ``init()``, from the launcher's environment (Horovod raises ``ValueError``), as
+  Jittor's ``jt.rank`` does; ``single_process_scope`` is Jittor's; ``SyncBatchNorm`` has
+  torch's ``convert_sync_batchnorm``; ``DistributedSampler(pad=False)`` shards without
+  repeating samples. ``import ringflow.torch.auto`` (or ``ringflow-run --auto``) runs an
+  unchanged single-process script data-parallel.
 - ``elastic`` (Horovod's elastic training) is not provided: ringflow jobs do not resize.
   ``HostsUpdatedInterrupt`` exists for code that catches it and is never raised.
 
@@ -65,6 +71,7 @@ from .. import (
     rank,
     remove_process_set,
     shutdown,
+    single_process_scope,
     size,
     start_timeline,
     stop_timeline,
@@ -202,6 +209,7 @@ __all__ = [
     "scatter",
     "scatter_async",
     "shutdown",
+    "single_process_scope",
     "size",
     "sparse_allreduce_async",
     "start_timeline",

@@ -16,21 +16,32 @@ Horovod's SyncBatchNorm): DistributedOptimizer then averages them across ranks.
 
 Cost per call: forward one allgather of ``(2C + 1) * 8`` bytes per rank; backward one allreduce of
 ``2C * 8`` bytes. Outside training, or with one rank, it is plain ``F.batch_norm``.
+
+:func:`batch_norm` is that forward for any ``_BatchNorm`` module (``ringflow.torch.auto`` runs
+every BatchNorm layer through it); ``SyncBatchNorm.convert_sync_batchnorm(model)`` replaces a
+model's BatchNorm layers, keeping their parameters and buffers, as torch's classmethod does.
+
+``torch.nn.SyncBatchNorm`` synchronises only through a torch.distributed process group. Without
+one (as under ringflow) torch 2.13 silently falls back to ``F.batch_norm`` on this rank's batch;
+with one, CPU tensors raise ``ValueError``. Importing ``ringflow.torch`` wraps its forward to warn
+once when that fallback happens in training in a job of several ranks.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import ProcessSet, global_process_set
+from .. import ProcessSet, global_process_set, size
+from ..errors import RingflowError
 from ..ops import Sum
 from .mpi_ops import allgather, allreduce
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "batch_norm"]
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -105,11 +116,34 @@ def _bcast(v: torch.Tensor, nd: int) -> torch.Tensor:
     return v.view(1, -1, *([1] * (nd - 2)))
 
 
+def batch_norm(module: _BatchNorm, input: torch.Tensor, process_set: ProcessSet) -> torch.Tensor:
+    """``module``'s forward (any ``_BatchNorm``: its weight, bias, running statistics, eps and
+    momentum) with the statistics of the whole batch of ``process_set`` in training, as
+    :class:`SyncBatchNorm` computes them; ``F.batch_norm`` outside training or alone."""
+    average_factor = 0.0
+    if module.training and module.track_running_stats:
+        module.num_batches_tracked.add_(1)  # type: ignore[union-attr, operator]
+        if module.momentum is None:  # cumulative moving average
+            average_factor = 1.0 / float(module.num_batches_tracked)  # type: ignore[arg-type]
+        else:
+            average_factor = module.momentum
+    if not module.training or process_set.size() == 1:
+        return F.batch_norm(input, module.running_mean, module.running_var, module.weight,
+                            module.bias, module.training or not module.track_running_stats,
+                            average_factor, module.eps)
+    return _SyncBatchNormFunction.apply(
+        input, module.weight, module.bias,
+        module.running_mean if module.track_running_stats else None,
+        module.running_var if module.track_running_stats else None,
+        module.eps, average_factor, process_set)
+
+
 class SyncBatchNorm(_BatchNorm):
     """Batch normalization whose statistics are computed over all ranks' batches.
 
     A drop-in for ``horovod.torch.SyncBatchNorm`` (same arguments) that also runs on CPU tensors.
     ``process_set`` (a ringflow extension) limits the synchronization to some ranks.
+    :meth:`convert_sync_batchnorm` converts a model's BatchNorm layers, as torch's does.
 
     Raises:
         ValueError: the input has fewer than 2 dimensions (Horovod's message).
@@ -125,24 +159,81 @@ class SyncBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
-    def _run_bn(self, input: torch.Tensor, average_factor: float) -> torch.Tensor:
-        return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
-                            self.training or not self.track_running_stats, average_factor,
-                            self.eps)
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        average_factor = 0.0
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:  # cumulative moving average
-                average_factor = 1.0 / float(self.num_batches_tracked)
-            else:
-                average_factor = self.momentum
-        if not self.training or self.process_set.size() == 1:
-            return self._run_bn(input, average_factor)
-        return _SyncBatchNormFunction.apply(
-            input, self.weight, self.bias,
-            self.running_mean if self.track_running_stats else None,
-            self.running_var if self.track_running_stats else None,
-            self.eps, average_factor, self.process_set)
+        return batch_norm(self, input, self.process_set)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module,
+                               process_set: ProcessSet = global_process_set) -> torch.nn.Module:
+        """``module`` with every ``BatchNorm*d`` in it (torch's ``SyncBatchNorm`` too) replaced
+        by a ringflow :class:`SyncBatchNorm` over ``process_set``: torch's classmethod of the
+        same name, with a process set for its process group.
+
+        The new layers take over the old ones' parameters and buffers themselves (the same
+        ``Parameter`` objects, so an optimizer built before still updates them), and their
+        training flag. ``module`` itself is returned converted when it is a BatchNorm layer;
+        its children are replaced in place otherwise.
+
+        Raises:
+            TypeError: ``process_set`` is not a ringflow ``ProcessSet`` (a torch process group).
+        """
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"convert_sync_batchnorm: process_set must be a ringflow "
+                            f"ProcessSet, got {type(process_set).__name__}; torch process "
+                            "groups do not apply (ringflow.add_process_set makes a set)")
+        converted = module
+        if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_set=process_set)
+            if module.affine:
+                with torch.no_grad():
+                    converted.weight = module.weight
+                    converted.bias = module.bias
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+            converted.training = module.training
+            if hasattr(module, "qconfig"):
+                converted.qconfig = module.qconfig
+        for name, child in module.named_children():
+            converted.add_module(name, cls.convert_sync_batchnorm(child, process_set))
+        return converted
+
+
+# torch.nn.SyncBatchNorm under ringflow ------------------------------------------------------------
+# torch's SyncBatchNorm synchronises through torch.distributed only: without a process group it
+# falls back to F.batch_norm on this rank's batch, silently (torch 2.13, checked; with one, CPU
+# tensors raise ValueError). Under ringflow that is a quiet divergence from the global batch, so
+# its forward is wrapped to warn once. ringflow.torch.auto synchronises those layers instead.
+_torch_forward = torch.nn.SyncBatchNorm.forward
+_warned = False
+
+
+def _warn_unsynchronised(self: torch.nn.SyncBatchNorm, input: torch.Tensor) -> torch.Tensor:
+    global _warned
+    if self.training and not _warned and not _torch_group() and _in_job():
+        _warned = True
+        warnings.warn(
+            "torch.nn.SyncBatchNorm is not synchronising: torch.distributed has no process "
+            "group, so torch normalises over this rank's batch only (it falls back to "
+            "BatchNorm without saying so). Convert the model with "
+            "ringflow.torch.SyncBatchNorm.convert_sync_batchnorm(model), or run it under "
+            "ringflow-run --auto / import ringflow.torch.auto, which synchronise it",
+            RuntimeWarning, stacklevel=2)
+    return _torch_forward(self, input)  # type: ignore[no-any-return]
+
+
+def _torch_group() -> bool:
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _in_job() -> bool:
+    try:
+        return size() > 1
+    except RingflowError:  # a launcher environment that init() would refuse: not ours to judge
+        return False
+
+
+torch.nn.SyncBatchNorm.forward = _warn_unsynchronised  # type: ignore[method-assign]
