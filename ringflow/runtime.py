@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import itertools
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator, Sequence
@@ -173,7 +174,21 @@ def shutdown() -> None:
         engine.shutdown()
 
 
+def _forget_after_fork() -> None:
+    """In a child forked from a rank (``os.fork()``, a fork-started DataLoader worker): the
+    engine, its sockets, its shared memory and the store connection are the parent's, and no
+    thread of the engine survives the fork. The child is no rank: it forgets them without closing
+    or writing anything, so that its exit says no goodbye on the parent's connections (which
+    would end the parent's job) and ringflow calls in the child raise NotInitializedError."""
+    global _engine, _info, _client, _state_lock, _local
+    _state_lock = threading.Lock()  # another thread may have held it at the fork
+    _local = threading.local()
+    _engine = _info = _client = None
+
+
 atexit.register(shutdown)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def is_initialized() -> bool:
