@@ -23,6 +23,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import failure
 from .client import Client, local_client
 from .config import Config
 from .errors import ConfigError, NotInitializedError
@@ -145,6 +146,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
         _engine = Engine(info.rank, info.size, backends, config)
         if info.detector == "ringflow":
             _exit_on_sigterm()
+        failure.install()
         from . import submission
 
         submission.reset_names()
@@ -184,9 +186,17 @@ def _forget_after_fork() -> None:
     _state_lock = threading.Lock()  # another thread may have held it at the fork
     _local = threading.local()
     _engine = _info = _client = None
+    failure.forget()
 
 
-atexit.register(shutdown)
+def _shutdown_at_exit() -> None:
+    """The process is ending: if an uncaught exception ends it, say so first (the job fails
+    naming this rank's error, :mod:`ringflow.failure`), then shut down (the goodbye)."""
+    failure.at_exit()
+    shutdown()
+
+
+atexit.register(_shutdown_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 

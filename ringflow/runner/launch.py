@@ -46,11 +46,13 @@ Output: every line a worker writes to stdout (stderr) is written to ``stdout`` (
 ``output_dir`` the bytes go unchanged to ``output_dir/rank.N/stdout`` and ``.../stderr`` instead
 (horovodrun's ``--output-filename``); the failure report still shows the stderr tail.
 
-Failure: the first worker to exit non-zero or by a signal is the job's *first failure*. The others
+Failure: once a worker exits non-zero or by a signal, the others
 get ``grace_s`` to end on their own (ringflow fails their collectives within seconds, and a rank
 that exits by itself keeps its output and its own report); every worker session still running
 then gets SIGTERM (which ``ringflow.init()`` turns into SystemExit in a Python worker, so
 ``finally`` blocks run and buffered output is flushed), then SIGKILL after ``grace_s`` more. The
+job's *first failure* is then chosen from the failures and the statuses the workers left in the
+store: the root cause, not a rank that failed because of it (:mod:`.report`). The
 job's exit code is the first failure's (``128 + signal`` for a signal), 0 when every worker exits
 0. A SIGINT or SIGTERM to the launcher (with ``handle_signals``) stops the workers at once the same
 way (no settling) and gives ``128 + signal``.
@@ -75,7 +77,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 from ..errors import ConfigError, LaunchError
+from ..failure import Status, read_status
 from .hosts import WorkerSpec, is_local
+from .report import JobResult, WorkerExit, root_cause
 from .ssh import SshOptions, ssh_argv
 
 __all__ = [
@@ -94,75 +98,8 @@ DEFAULT_GRACE_S = 5.0
 TAIL_LINES = 20
 _POLL_S = 0.02
 _PR_SET_PDEATHSIG = 1
-_SSH_FAILED = 255
 
 Command = Sequence[str] | Callable[[WorkerSpec], Sequence[str]]
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerExit:
-    """How one worker ended. ``returncode`` is Popen's: negative for a signal."""
-
-    rank: int
-    host: str
-    returncode: int
-    stderr_tail: tuple[str, ...] = ()
-    #: Whether the worker ran on another host, through ssh.
-    remote: bool = False
-
-    @property
-    def exit_status(self) -> int:
-        """The shell's view: the exit code, or ``128 + signal``."""
-        return 128 - self.returncode if self.returncode < 0 else self.returncode
-
-    def describe(self) -> str:
-        if self.returncode < 0:
-            signame = _signame(-self.returncode)
-            return f"rank {self.rank} on host {self.host} was killed by signal {signame}"
-        text = f"rank {self.rank} on host {self.host} exited with code {self.returncode}"
-        if self.remote and self.returncode == _SSH_FAILED:
-            text += (
-                f" (ssh's own failure code: check that `ssh -o BatchMode=yes {self.host} true` "
-                "works without a prompt and that the host key is known)"
-            )
-        return text
-
-
-@dataclasses.dataclass(frozen=True)
-class JobResult:
-    """The outcome of :func:`run_job`."""
-
-    returncode: int
-    exits: tuple[WorkerExit | None, ...]
-    first_failure: WorkerExit | None = None
-    #: The signal that stopped the launcher (SIGINT / SIGTERM), if one did.
-    stopped_by: int | None = None
-    #: Whether the deadline passed before every worker had exited.
-    timed_out: bool = False
-
-    @property
-    def unfinished(self) -> list[int]:
-        """Ranks that had not exited on their own when the job was stopped."""
-        return [r for r, e in enumerate(self.exits) if e is None]
-
-    def report(self, prog: str = "ringflow-run") -> str:
-        """The failure report for stderr; empty when the job succeeded."""
-        lines: list[str] = []
-        if self.first_failure is not None:
-            fail = self.first_failure
-            lines.append(f"{prog}: {fail.describe()}")
-            if fail.stderr_tail:
-                count = len(fail.stderr_tail)
-                noun = "line" if count == 1 else f"{count} lines"
-                lines.append(f"{prog}: last {noun} of rank {fail.rank}'s stderr:")
-                lines += [f"  {line}" for line in fail.stderr_tail]
-        if self.stopped_by is not None:
-            lines.append(
-                f"{prog}: received {_signame(self.stopped_by)}; stopped ranks {self.unfinished}"
-            )
-        if self.timed_out:
-            lines.append(f"{prog}: the deadline passed; stopped ranks {self.unfinished}")
-        return "\n".join(lines)
 
 
 #: Appended to every worker's ``GLIBC_TUNABLES`` unless that already names this tunable: glibc's
@@ -287,8 +224,10 @@ class LocalJob:
         output_dir: str | None = None,
         timestamps: bool = False,
         master: tuple[str, int] | None = None,
+        status: Callable[[int], Status | None] | None = None,
     ) -> None:
         self._ssh = ssh if ssh is not None else SshOptions()
+        self._status = status
         self._master = master
         self._remote = [not is_local(w.host) for w in workers]
         self._output_dir = output_dir
@@ -482,29 +421,29 @@ class LocalJob:
 
     def wait(self, timeout: float | None = None) -> JobResult:
         """Wait until every worker exits, the first fails, :meth:`stop` is called, or ``timeout``
-        seconds pass; stop the rest; return the result. Any exception (KeyboardInterrupt included)
-        also stops every worker before it propagates."""
+        seconds pass; stop the rest; return the result, whose first failure is the root cause
+        (:mod:`.report`). Any exception (KeyboardInterrupt included) also stops every worker
+        before it propagates."""
         deadline = None if timeout is None else time.monotonic() + timeout
         exits: list[WorkerExit | None] = [None] * len(self._procs)
-        first: WorkerExit | None = None
+        failed: list[int] = []  # ranks that failed on their own, in the order seen
         timed_out = False
         try:
             while True:
-                for rank in self._note_exits(exits):
-                    if exits[rank].returncode != 0 and first is None:
-                        first = exits[rank]
+                failed += [r for r in self._note_exits(exits) if exits[r].returncode != 0]
                 if self._stop_signal is not None:
                     break
-                if first is not None:
+                if failed:
                     # Give the others a moment to end on their own: ringflow fails every
-                    # rank's collectives within seconds, and a rank left to exit keeps its
-                    # output, its finally blocks and its own report of what happened.
+                    # rank's collectives within seconds, a rank left to exit keeps its
+                    # output, its finally blocks and its own report of what happened, and
+                    # the rank that failed first may exit after those that failed because of it.
                     settle = time.monotonic() + self._grace_s
                     while time.monotonic() < settle and any(
                             e is None and p.poll() is None
                             for e, p in zip(exits, self._procs, strict=True)):
                         time.sleep(_POLL_S)
-                    self._note_exits(exits)
+                    failed += [r for r in self._note_exits(exits) if exits[r].returncode != 0]
                     break
                 if all(e is not None for e in exits):
                     break
@@ -518,6 +457,9 @@ class LocalJob:
                 with contextlib.suppress(OSError):
                     stdin.close()
             self._join_output()
+        stopped = [self._exit(r, self._procs[r].returncode) for r, e in enumerate(exits)
+                   if e is None]
+        first, secondary = root_cause([exits[r] for r in failed], stopped, self._status)
         if first is not None:
             first = dataclasses.replace(first, stderr_tail=tuple(self._tails[first.rank]))
             code = first.exit_status
@@ -527,17 +469,20 @@ class LocalJob:
             code = 124  # what timeout(1) returns
         else:
             code = 0
-        return JobResult(code, tuple(exits), first, self._stop_signal, timed_out)
+        return JobResult(code, tuple(exits), first, self._stop_signal, timed_out, secondary)
+
+    def _exit(self, rank: int, code: int) -> WorkerExit:
+        remote = self._remote[rank]
+        if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
+            code = 128 - code
+        return WorkerExit(rank, self._workers[rank].host, code, (), remote)
 
     def _note_exits(self, exits: list[WorkerExit | None]) -> list[int]:
         """Record the workers that have exited since the last call; their ranks, in order."""
         new = []
         for rank, proc in enumerate(self._procs):
             if exits[rank] is None and (code := proc.poll()) is not None:
-                remote = self._remote[rank]
-                if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
-                    code = 128 - code
-                exits[rank] = WorkerExit(rank, self._workers[rank].host, code, (), remote)
+                exits[rank] = self._exit(rank, code)
                 new.append(rank)
         return new
 
@@ -604,6 +549,7 @@ def run_job(
     owned = store is None
     secret, server = start_store(workers, network_interface, start_timeout_s) if owned else store
     reserved: socket.socket | None = None
+    statuses = _StatusReader(server.host, server.port, secret)
     try:
         if master_addr is None:
             first = workers[0].host if workers else "localhost"
@@ -615,7 +561,7 @@ def run_job(
             command, workers, secret=secret, rendezvous=(server.host, server.port),
             job_id=secrets.token_hex(8), base_env=base_env, stdout=stdout, stderr=stderr,
             grace_s=grace_s, ssh=ssh, output_dir=output_dir, timestamps=timestamps,
-            master=(master_addr, master_port),
+            master=(master_addr, master_port), status=statuses,
         )
         log.info("rendezvous store on %s:%d", server.host, server.port)
         with _signals_to(job if handle_signals else None):
@@ -624,10 +570,36 @@ def run_job(
                 on_start(job)
             return job.wait(timeout_s)
     finally:
+        statuses.close()
         if reserved is not None:
             reserved.close()
         if owned:
             server.close()
+
+
+class _StatusReader:
+    """Reads the workers' failure statuses from the job's store (:mod:`ringflow.failure`),
+    through a client of its own, connected on first use."""
+
+    def __init__(self, host: str, port: int, secret: bytes) -> None:
+        self._where = (host, port, secret)
+        self._store: Any = None
+
+    def __call__(self, rank: int) -> Status | None:
+        from ..errors import RingflowError
+        from ..rendezvous import TCPStore
+
+        if self._store is None:
+            try:
+                self._store = TCPStore(*self._where, timeout=5.0)
+            except (RingflowError, OSError) as exc:
+                log.info("cannot read the workers' statuses: %s", exc)
+                return None
+        return read_status(self._store, rank)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
 
 
 def start_store(
