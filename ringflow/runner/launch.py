@@ -11,7 +11,7 @@ A worker on another host is an ``ssh`` process running the remote bootstrap
 (:mod:`.ssh`, :mod:`.remote`); to the launcher it is a local child like any other: its output is
 relayed, its exit status is the remote worker's (a remote status above 128 is read as the signal
 ``status - 128``, 255 is ssh's own failure), and stopping it (SIGTERM to the ssh process) closes
-the connection, which makes the remote bootstrap kill the worker.
+the connection, which makes the remote bootstrap stop the worker.
 
 Each worker
     * runs ``command`` as given (an argv list, never through a shell), with ``stdin`` from
@@ -20,8 +20,8 @@ Each worker
       _CROSS_RANK, _CROSS_SIZE, _HOSTNAME, _RENDEZVOUS_ADDR, _RENDEZVOUS_PORT, _JOB_ID,
       _LAUNCHER_PID``, ``GLIBC_TUNABLES`` with :data:`MEMCPY_TUNABLE` added (unless that tunable
       is set already), and ``RINGFLOW_SECRET_FD``: the number of an inherited pipe from which it
-      reads the secret as hex text and a newline. The secret is never in an argv, an environment
-      value, or a log line;
+      reads the secret as hex text and a newline (``RINGFLOW_LAUNCHER_PID`` is its parent's pid:
+      its supervisor's). The secret is never in an argv, an environment value, or a log line;
     * also gets torchrun's variables (:data:`TORCHRUN_ENV`): ``RANK, LOCAL_RANK, WORLD_SIZE,
       LOCAL_WORLD_SIZE``, ``GROUP_RANK, GROUP_WORLD_SIZE`` (its host's index and the number of
       hosts, as torchrun's node rank and node count), ``ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME``
@@ -34,11 +34,15 @@ Each worker
       (``SO_REUSEADDR``, not listening) on this host for the life of the job, so that no other
       ``bind()`` to port 0 here -- a worker's own sockets included -- can take it in the meantime
       (for a rank 0 on another host it is merely free here; pass one known free there).
-    * leads its own session (``setsid``), so a signal reaches the worker and the processes it
-      started, and a Ctrl-C in the launcher's terminal reaches only the launcher, which forwards it;
-    * on Linux, is killed (``PR_SET_PDEATHSIG``) when the launcher's thread that started it dies,
-      so a launcher killed with SIGKILL leaves no orphans. The launcher starts workers from the
-      calling thread; call :func:`run_job` from a thread that outlives the job.
+    * runs under a supervisor (:mod:`.supervisor`; over ssh the remote bootstrap, :mod:`.remote`),
+      a child of the launcher in a session of its own (a Ctrl-C in the launcher's terminal
+      reaches only the launcher, which forwards it). The supervisor reads the secret from its
+      stdin, which the launcher keeps open: its end-of-file (the launcher died, SIGKILL
+      included), or a SIGTERM from the launcher, stops the worker and *every* process it
+      started -- shell wrappers, grandchildren, processes that left its session (the supervisor
+      is their subreaper) -- with SIGTERM, then SIGKILL after ``grace_s``. What a worker leaves
+      running when it exits is stopped the same way. A launcher killed with SIGKILL leaves no
+      orphans, whatever the worker command is.
 
 Output: every line a worker writes to stdout (stderr) is written to ``stdout`` (``stderr``) as
 ``[rank]:line`` (``timestamps``: ``YYYY-mm-dd HH:MM:SS.mmm [rank]:line``). Bytes are split on
@@ -67,6 +71,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,6 +86,7 @@ from ..failure import Status, read_status
 from .hosts import WorkerSpec, is_local
 from .report import JobResult, WorkerExit, root_cause
 from .ssh import SshOptions, ssh_argv
+from .supervisor import PATH as SUPERVISOR
 
 __all__ = [
     "DEFAULT_GRACE_S", "MEMCPY_TUNABLE", "TORCHRUN_ENV", "JobResult", "LocalJob", "WorkerExit",
@@ -98,6 +104,9 @@ DEFAULT_GRACE_S = 5.0
 TAIL_LINES = 20
 _POLL_S = 0.02
 _PR_SET_PDEATHSIG = 1
+#: How much longer than ``grace_s`` a supervisor may take to stop its worker before it gets
+#: SIGKILL itself: it sends SIGKILL at ``grace_s`` and then reaps.
+_SUPERVISOR_MARGIN_S = 2.0
 
 Command = Sequence[str] | Callable[[WorkerSpec], Sequence[str]]
 
@@ -321,54 +330,44 @@ class LocalJob:
         env: dict[str, str],
         setup: Callable[[], None] | None,
     ) -> subprocess.Popen[bytes]:
+        """Start the worker of ``spec`` under its supervisor: :mod:`.supervisor` here, the
+        remote bootstrap over ssh. Either reads the secret from its stdin, which then stays open
+        for the life of the job: its end-of-file (this process died) stops the worker and
+        everything it started."""
         if self._remote[spec.rank]:
-            return self._spawn_remote(spec, argv, env, setup)
-        read_fd, write_fd = os.pipe()
-        try:
-            # 65 bytes fit in any pipe buffer, so this write never blocks.
-            os.write(write_fd, (self._secret.hex() + "\n").encode("ascii"))
-            os.close(write_fd)
-            write_fd = -1
-            env["RINGFLOW_SECRET_FD"] = str(read_fd)
-            return subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, pass_fds=(read_fd,), start_new_session=True,
-                preexec_fn=setup, bufsize=0,
-            )
-        except OSError as exc:
-            raise LaunchError(
-                f"could not start rank {spec.rank} on {spec.host} with {argv}: {exc}; "
-                "check that the program exists and is executable"
-            ) from exc
-        finally:
-            os.close(read_fd)
-            if write_fd >= 0:
-                os.close(write_fd)
-
-    def _spawn_remote(
-        self,
-        spec: WorkerSpec,
-        argv: list[str],
-        env: dict[str, str],
-        setup: Callable[[], None] | None,
-    ) -> subprocess.Popen[bytes]:
-        ssh = ssh_argv(spec.host, argv, env, self._ssh)
+            what = "ssh"
+            command = ssh_argv(spec.host, argv, env, self._ssh)
+            env = None
+            hint = "install the OpenSSH client (ssh) on this host"
+        else:
+            what = "the supervisor"
+            problem = _not_executable(argv[0], env.get("PATH", os.defpath))
+            if problem:  # found here rather than by the supervisor, which could only exit 127
+                raise LaunchError(
+                    f"could not start rank {spec.rank} on {spec.host} with {argv}: {problem}; "
+                    "check that the program exists and is executable"
+                )
+            command = [sys.executable, "-I", "-S", SUPERVISOR, "--grace", str(self._grace_s),
+                       "--parent", str(os.getpid()), "--", *argv]
+            hint = "check the Python installation"
+            # Not tied to this process by PR_SET_PDEATHSIG: when this process dies, the
+            # supervisor must live on long enough to stop what the worker started.
+            setup = None
         try:
             proc = subprocess.Popen(
-                ssh, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, preexec_fn=setup, bufsize=0,
+                command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=setup, bufsize=0,
             )
         except OSError as exc:
             raise LaunchError(
-                f"could not start ssh for rank {spec.rank} on {spec.host}: {exc}; install the "
-                "OpenSSH client (ssh) on this host"
+                f"could not start {what} for rank {spec.rank} on {spec.host}: {exc}; {hint}"
             ) from exc
         stdin = proc.stdin
         if stdin is None:  # pragma: no cover - stdin=PIPE always gives one
-            raise LaunchError(f"ssh for rank {spec.rank} has no stdin pipe")
-        # Kept open for the life of the job: its end-of-file tells the remote side to stop.
+            raise LaunchError(f"{what} for rank {spec.rank} has no stdin pipe")
+        # Kept open for the life of the job: its end-of-file tells the supervisor to stop.
         self._stdins.append(stdin)
-        with contextlib.suppress(OSError):  # an ssh that died at once is reported by wait()
+        with contextlib.suppress(OSError):  # one that died at once is reported by wait()
             stdin.write((self._secret.hex() + "\n").encode("ascii"))
         return proc
 
@@ -487,13 +486,14 @@ class LocalJob:
         return new
 
     def _terminate(self, ranks: Sequence[int] | range) -> None:
-        """SIGTERM the sessions of ``ranks``; SIGKILL what is left after the grace period."""
+        """SIGTERM the supervisors of ``ranks`` (each stops its worker: SIGTERM, then SIGKILL
+        after the grace period); SIGKILL those still there a moment after that."""
         running = [r for r in ranks if self._procs[r].poll() is None]
         if running:
             log.info("stopping ranks %s", running)
         for rank in running:
             _killpg(self._procs[rank], signal.SIGTERM)
-        end = time.monotonic() + self._grace_s
+        end = time.monotonic() + self._grace_s + _SUPERVISOR_MARGIN_S
         while running and time.monotonic() < end:
             running = [r for r in running if self._procs[r].poll() is None]
             time.sleep(_POLL_S)
@@ -640,6 +640,17 @@ def _signals_to(job: LocalJob | None) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _not_executable(program: str, path: str) -> str:
+    """Why ``program`` cannot be executed (as ``execvp`` would look for it), or ``""``."""
+    if shutil.which(program, path=path) is not None:
+        return ""
+    if os.sep not in program:
+        return f"{program!r} is not found on PATH"
+    if not os.path.exists(program):
+        return f"{program!r} does not exist"
+    return f"{program!r} is not an executable file"
 
 
 def _killpg(proc: subprocess.Popen[bytes], sig: int) -> None:
