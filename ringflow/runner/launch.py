@@ -536,7 +536,8 @@ def run_job(
     ``start_timeout_s`` bounds each wait of the store on a connecting worker. ``timeout_s`` bounds
     the whole job (``None``: no bound). ``handle_signals`` (main thread only) turns SIGINT and
     SIGTERM into :meth:`LocalJob.stop` for the job's duration. ``on_start`` sees the started job.
-    ``ssh`` says how to reach workers on other hosts; ``network_interface`` picks the interface
+    ``ssh`` says how to reach workers on other hosts (its ``connect_timeout`` defaults to
+    ``start_timeout_s``); ``network_interface`` picks the interface
     the store listens on (see :mod:`.netif`). ``store`` is a ``(secret, StoreServer)`` pair from
     :func:`start_store` that the caller keeps and closes (to read what the workers left in it);
     by default :func:`run_job` starts and closes its own. ``master_addr`` / ``master_port`` are the
@@ -546,6 +547,9 @@ def run_job(
     Raises:
         LaunchError: the store or a worker could not be started.
     """
+    ssh = ssh if ssh is not None else SshOptions()
+    if ssh.connect_timeout is None:
+        ssh = dataclasses.replace(ssh, connect_timeout=start_timeout_s)
     owned = store is None
     secret, server = start_store(workers, network_interface, start_timeout_s) if owned else store
     reserved: socket.socket | None = None
