@@ -72,6 +72,10 @@ def _close_servers() -> None:
 
 
 atexit.register(_close_servers)
+# A forked child (a DataLoader worker) must not close the parent's server at its exit: closing
+# shuts down the connections that parent and child share.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_servers.clear)
 
 
 def comm_info(comm: Any) -> RankInfo:

@@ -213,6 +213,11 @@ class Engine:
         self._hand_over()
         self.backends.close()
 
+    def abort(self, error: RingflowError) -> None:
+        """Fail the job on every rank with ``error``, as a fatal condition found here would: this
+        process is going down (an uncaught exception, :mod:`ringflow.failure`)."""
+        self._inbox.put((Wake.ERROR, error))
+
     def _hand_over(self) -> None:
         """The coordinator leaves while other ranks may go on (process sets without it): the
         lowest rank still there coordinates from now on. Sent after this rank's last plan, on
@@ -410,6 +415,12 @@ class Engine:
 
     def _on_peer(self, peer: int, error: BaseException) -> None:
         if isinstance(error, ShutdownError):
+            if self._closed:
+                # The job has failed (or this rank shut down): a goodbye now is that failure's
+                # echo -- a rank that crashed says goodbye after its Abort -- and a plan made
+                # of it ("left the job (it called shutdown())") would reach the others on
+                # their reader threads, ahead of the Fatal their engine threads act on.
+                return
             if self.coordinator is not None:
                 self.coordinator.rank_gone(peer, "it called shutdown()")
                 self._plan()

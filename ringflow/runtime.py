@@ -17,11 +17,13 @@ import atexit
 import contextlib
 import itertools
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import failure
 from .client import Client, local_client
 from .config import Config
 from .errors import ConfigError, NotInitializedError
@@ -144,6 +146,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
         _engine = Engine(info.rank, info.size, backends, config)
         if info.detector == "ringflow":
             _exit_on_sigterm()
+        failure.install()
         from . import submission
 
         submission.reset_names()
@@ -173,7 +176,29 @@ def shutdown() -> None:
         engine.shutdown()
 
 
-atexit.register(shutdown)
+def _forget_after_fork() -> None:
+    """In a child forked from a rank (``os.fork()``, a fork-started DataLoader worker): the
+    engine, its sockets, its shared memory and the store connection are the parent's, and no
+    thread of the engine survives the fork. The child is no rank: it forgets them without closing
+    or writing anything, so that its exit says no goodbye on the parent's connections (which
+    would end the parent's job) and ringflow calls in the child raise NotInitializedError."""
+    global _engine, _info, _client, _state_lock, _local
+    _state_lock = threading.Lock()  # another thread may have held it at the fork
+    _local = threading.local()
+    _engine = _info = _client = None
+    failure.forget()
+
+
+def _shutdown_at_exit() -> None:
+    """The process is ending: if an uncaught exception ends it, say so first (the job fails
+    naming this rank's error, :mod:`ringflow.failure`), then shut down (the goodbye)."""
+    failure.at_exit()
+    shutdown()
+
+
+atexit.register(_shutdown_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def is_initialized() -> bool:

@@ -11,7 +11,7 @@ A worker on another host is an ``ssh`` process running the remote bootstrap
 (:mod:`.ssh`, :mod:`.remote`); to the launcher it is a local child like any other: its output is
 relayed, its exit status is the remote worker's (a remote status above 128 is read as the signal
 ``status - 128``, 255 is ssh's own failure), and stopping it (SIGTERM to the ssh process) closes
-the connection, which makes the remote bootstrap kill the worker.
+the connection, which makes the remote bootstrap stop the worker.
 
 Each worker
     * runs ``command`` as given (an argv list, never through a shell), with ``stdin`` from
@@ -20,8 +20,8 @@ Each worker
       _CROSS_RANK, _CROSS_SIZE, _HOSTNAME, _RENDEZVOUS_ADDR, _RENDEZVOUS_PORT, _JOB_ID,
       _LAUNCHER_PID``, ``GLIBC_TUNABLES`` with :data:`MEMCPY_TUNABLE` added (unless that tunable
       is set already), and ``RINGFLOW_SECRET_FD``: the number of an inherited pipe from which it
-      reads the secret as hex text and a newline. The secret is never in an argv, an environment
-      value, or a log line;
+      reads the secret as hex text and a newline (``RINGFLOW_LAUNCHER_PID`` is its parent's pid:
+      its supervisor's). The secret is never in an argv, an environment value, or a log line;
     * also gets torchrun's variables (:data:`TORCHRUN_ENV`): ``RANK, LOCAL_RANK, WORLD_SIZE,
       LOCAL_WORLD_SIZE``, ``GROUP_RANK, GROUP_WORLD_SIZE`` (its host's index and the number of
       hosts, as torchrun's node rank and node count), ``ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME``
@@ -34,11 +34,15 @@ Each worker
       (``SO_REUSEADDR``, not listening) on this host for the life of the job, so that no other
       ``bind()`` to port 0 here -- a worker's own sockets included -- can take it in the meantime
       (for a rank 0 on another host it is merely free here; pass one known free there).
-    * leads its own session (``setsid``), so a signal reaches the worker and the processes it
-      started, and a Ctrl-C in the launcher's terminal reaches only the launcher, which forwards it;
-    * on Linux, is killed (``PR_SET_PDEATHSIG``) when the launcher's thread that started it dies,
-      so a launcher killed with SIGKILL leaves no orphans. The launcher starts workers from the
-      calling thread; call :func:`run_job` from a thread that outlives the job.
+    * runs under a supervisor (:mod:`.supervisor`; over ssh the remote bootstrap, :mod:`.remote`),
+      a child of the launcher in a session of its own (a Ctrl-C in the launcher's terminal
+      reaches only the launcher, which forwards it). The supervisor reads the secret from its
+      stdin, which the launcher keeps open: its end-of-file (the launcher died, SIGKILL
+      included), or a SIGTERM from the launcher, stops the worker and *every* process it
+      started -- shell wrappers, grandchildren, processes that left its session (the supervisor
+      is their subreaper) -- with SIGTERM, then SIGKILL after ``grace_s``. What a worker leaves
+      running when it exits is stopped the same way. A launcher killed with SIGKILL leaves no
+      orphans, whatever the worker command is.
 
 Output: every line a worker writes to stdout (stderr) is written to ``stdout`` (``stderr``) as
 ``[rank]:line`` (``timestamps``: ``YYYY-mm-dd HH:MM:SS.mmm [rank]:line``). Bytes are split on
@@ -46,11 +50,13 @@ Output: every line a worker writes to stdout (stderr) is written to ``stdout`` (
 ``output_dir`` the bytes go unchanged to ``output_dir/rank.N/stdout`` and ``.../stderr`` instead
 (horovodrun's ``--output-filename``); the failure report still shows the stderr tail.
 
-Failure: the first worker to exit non-zero or by a signal is the job's *first failure*. The others
+Failure: once a worker exits non-zero or by a signal, the others
 get ``grace_s`` to end on their own (ringflow fails their collectives within seconds, and a rank
 that exits by itself keeps its output and its own report); every worker session still running
 then gets SIGTERM (which ``ringflow.init()`` turns into SystemExit in a Python worker, so
 ``finally`` blocks run and buffered output is flushed), then SIGKILL after ``grace_s`` more. The
+job's *first failure* is then chosen from the failures and the statuses the workers left in the
+store: the root cause, not a rank that failed because of it (:mod:`.report`). The
 job's exit code is the first failure's (``128 + signal`` for a signal), 0 when every worker exits
 0. A SIGINT or SIGTERM to the launcher (with ``handle_signals``) stops the workers at once the same
 way (no settling) and gives ``128 + signal``.
@@ -65,6 +71,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,8 +82,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 from ..errors import ConfigError, LaunchError
+from ..failure import Status, read_status
 from .hosts import WorkerSpec, is_local
+from .report import JobResult, WorkerExit, root_cause
 from .ssh import SshOptions, ssh_argv
+from .supervisor import PATH as SUPERVISOR
 
 __all__ = [
     "DEFAULT_GRACE_S", "MEMCPY_TUNABLE", "TORCHRUN_ENV", "JobResult", "LocalJob", "WorkerExit",
@@ -94,75 +104,11 @@ DEFAULT_GRACE_S = 5.0
 TAIL_LINES = 20
 _POLL_S = 0.02
 _PR_SET_PDEATHSIG = 1
-_SSH_FAILED = 255
+#: How much longer than ``grace_s`` a supervisor may take to stop its worker before it gets
+#: SIGKILL itself: it sends SIGKILL at ``grace_s`` and then reaps.
+_SUPERVISOR_MARGIN_S = 2.0
 
 Command = Sequence[str] | Callable[[WorkerSpec], Sequence[str]]
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerExit:
-    """How one worker ended. ``returncode`` is Popen's: negative for a signal."""
-
-    rank: int
-    host: str
-    returncode: int
-    stderr_tail: tuple[str, ...] = ()
-    #: Whether the worker ran on another host, through ssh.
-    remote: bool = False
-
-    @property
-    def exit_status(self) -> int:
-        """The shell's view: the exit code, or ``128 + signal``."""
-        return 128 - self.returncode if self.returncode < 0 else self.returncode
-
-    def describe(self) -> str:
-        if self.returncode < 0:
-            signame = _signame(-self.returncode)
-            return f"rank {self.rank} on host {self.host} was killed by signal {signame}"
-        text = f"rank {self.rank} on host {self.host} exited with code {self.returncode}"
-        if self.remote and self.returncode == _SSH_FAILED:
-            text += (
-                f" (ssh's own failure code: check that `ssh -o BatchMode=yes {self.host} true` "
-                "works without a prompt and that the host key is known)"
-            )
-        return text
-
-
-@dataclasses.dataclass(frozen=True)
-class JobResult:
-    """The outcome of :func:`run_job`."""
-
-    returncode: int
-    exits: tuple[WorkerExit | None, ...]
-    first_failure: WorkerExit | None = None
-    #: The signal that stopped the launcher (SIGINT / SIGTERM), if one did.
-    stopped_by: int | None = None
-    #: Whether the deadline passed before every worker had exited.
-    timed_out: bool = False
-
-    @property
-    def unfinished(self) -> list[int]:
-        """Ranks that had not exited on their own when the job was stopped."""
-        return [r for r, e in enumerate(self.exits) if e is None]
-
-    def report(self, prog: str = "ringflow-run") -> str:
-        """The failure report for stderr; empty when the job succeeded."""
-        lines: list[str] = []
-        if self.first_failure is not None:
-            fail = self.first_failure
-            lines.append(f"{prog}: {fail.describe()}")
-            if fail.stderr_tail:
-                count = len(fail.stderr_tail)
-                noun = "line" if count == 1 else f"{count} lines"
-                lines.append(f"{prog}: last {noun} of rank {fail.rank}'s stderr:")
-                lines += [f"  {line}" for line in fail.stderr_tail]
-        if self.stopped_by is not None:
-            lines.append(
-                f"{prog}: received {_signame(self.stopped_by)}; stopped ranks {self.unfinished}"
-            )
-        if self.timed_out:
-            lines.append(f"{prog}: the deadline passed; stopped ranks {self.unfinished}")
-        return "\n".join(lines)
 
 
 #: Appended to every worker's ``GLIBC_TUNABLES`` unless that already names this tunable: glibc's
@@ -287,8 +233,10 @@ class LocalJob:
         output_dir: str | None = None,
         timestamps: bool = False,
         master: tuple[str, int] | None = None,
+        status: Callable[[int], Status | None] | None = None,
     ) -> None:
         self._ssh = ssh if ssh is not None else SshOptions()
+        self._status = status
         self._master = master
         self._remote = [not is_local(w.host) for w in workers]
         self._output_dir = output_dir
@@ -382,54 +330,44 @@ class LocalJob:
         env: dict[str, str],
         setup: Callable[[], None] | None,
     ) -> subprocess.Popen[bytes]:
+        """Start the worker of ``spec`` under its supervisor: :mod:`.supervisor` here, the
+        remote bootstrap over ssh. Either reads the secret from its stdin, which then stays open
+        for the life of the job: its end-of-file (this process died) stops the worker and
+        everything it started."""
         if self._remote[spec.rank]:
-            return self._spawn_remote(spec, argv, env, setup)
-        read_fd, write_fd = os.pipe()
-        try:
-            # 65 bytes fit in any pipe buffer, so this write never blocks.
-            os.write(write_fd, (self._secret.hex() + "\n").encode("ascii"))
-            os.close(write_fd)
-            write_fd = -1
-            env["RINGFLOW_SECRET_FD"] = str(read_fd)
-            return subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, pass_fds=(read_fd,), start_new_session=True,
-                preexec_fn=setup, bufsize=0,
-            )
-        except OSError as exc:
-            raise LaunchError(
-                f"could not start rank {spec.rank} on {spec.host} with {argv}: {exc}; "
-                "check that the program exists and is executable"
-            ) from exc
-        finally:
-            os.close(read_fd)
-            if write_fd >= 0:
-                os.close(write_fd)
-
-    def _spawn_remote(
-        self,
-        spec: WorkerSpec,
-        argv: list[str],
-        env: dict[str, str],
-        setup: Callable[[], None] | None,
-    ) -> subprocess.Popen[bytes]:
-        ssh = ssh_argv(spec.host, argv, env, self._ssh)
+            what = "ssh"
+            command = ssh_argv(spec.host, argv, env, self._ssh)
+            env = None
+            hint = "install the OpenSSH client (ssh) on this host"
+        else:
+            what = "the supervisor"
+            problem = _not_executable(argv[0], env.get("PATH", os.defpath))
+            if problem:  # found here rather than by the supervisor, which could only exit 127
+                raise LaunchError(
+                    f"could not start rank {spec.rank} on {spec.host} with {argv}: {problem}; "
+                    "check that the program exists and is executable"
+                )
+            command = [sys.executable, "-I", "-S", SUPERVISOR, "--grace", str(self._grace_s),
+                       "--parent", str(os.getpid()), "--", *argv]
+            hint = "check the Python installation"
+            # Not tied to this process by PR_SET_PDEATHSIG: when this process dies, the
+            # supervisor must live on long enough to stop what the worker started.
+            setup = None
         try:
             proc = subprocess.Popen(
-                ssh, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, preexec_fn=setup, bufsize=0,
+                command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=setup, bufsize=0,
             )
         except OSError as exc:
             raise LaunchError(
-                f"could not start ssh for rank {spec.rank} on {spec.host}: {exc}; install the "
-                "OpenSSH client (ssh) on this host"
+                f"could not start {what} for rank {spec.rank} on {spec.host}: {exc}; {hint}"
             ) from exc
         stdin = proc.stdin
         if stdin is None:  # pragma: no cover - stdin=PIPE always gives one
-            raise LaunchError(f"ssh for rank {spec.rank} has no stdin pipe")
-        # Kept open for the life of the job: its end-of-file tells the remote side to stop.
+            raise LaunchError(f"{what} for rank {spec.rank} has no stdin pipe")
+        # Kept open for the life of the job: its end-of-file tells the supervisor to stop.
         self._stdins.append(stdin)
-        with contextlib.suppress(OSError):  # an ssh that died at once is reported by wait()
+        with contextlib.suppress(OSError):  # one that died at once is reported by wait()
             stdin.write((self._secret.hex() + "\n").encode("ascii"))
         return proc
 
@@ -482,29 +420,29 @@ class LocalJob:
 
     def wait(self, timeout: float | None = None) -> JobResult:
         """Wait until every worker exits, the first fails, :meth:`stop` is called, or ``timeout``
-        seconds pass; stop the rest; return the result. Any exception (KeyboardInterrupt included)
-        also stops every worker before it propagates."""
+        seconds pass; stop the rest; return the result, whose first failure is the root cause
+        (:mod:`.report`). Any exception (KeyboardInterrupt included) also stops every worker
+        before it propagates."""
         deadline = None if timeout is None else time.monotonic() + timeout
         exits: list[WorkerExit | None] = [None] * len(self._procs)
-        first: WorkerExit | None = None
+        failed: list[int] = []  # ranks that failed on their own, in the order seen
         timed_out = False
         try:
             while True:
-                for rank in self._note_exits(exits):
-                    if exits[rank].returncode != 0 and first is None:
-                        first = exits[rank]
+                failed += [r for r in self._note_exits(exits) if exits[r].returncode != 0]
                 if self._stop_signal is not None:
                     break
-                if first is not None:
+                if failed:
                     # Give the others a moment to end on their own: ringflow fails every
-                    # rank's collectives within seconds, and a rank left to exit keeps its
-                    # output, its finally blocks and its own report of what happened.
+                    # rank's collectives within seconds, a rank left to exit keeps its
+                    # output, its finally blocks and its own report of what happened, and
+                    # the rank that failed first may exit after those that failed because of it.
                     settle = time.monotonic() + self._grace_s
                     while time.monotonic() < settle and any(
                             e is None and p.poll() is None
                             for e, p in zip(exits, self._procs, strict=True)):
                         time.sleep(_POLL_S)
-                    self._note_exits(exits)
+                    failed += [r for r in self._note_exits(exits) if exits[r].returncode != 0]
                     break
                 if all(e is not None for e in exits):
                     break
@@ -518,6 +456,9 @@ class LocalJob:
                 with contextlib.suppress(OSError):
                     stdin.close()
             self._join_output()
+        stopped = [self._exit(r, self._procs[r].returncode) for r, e in enumerate(exits)
+                   if e is None]
+        first, secondary = root_cause([exits[r] for r in failed], stopped, self._status)
         if first is not None:
             first = dataclasses.replace(first, stderr_tail=tuple(self._tails[first.rank]))
             code = first.exit_status
@@ -527,28 +468,32 @@ class LocalJob:
             code = 124  # what timeout(1) returns
         else:
             code = 0
-        return JobResult(code, tuple(exits), first, self._stop_signal, timed_out)
+        return JobResult(code, tuple(exits), first, self._stop_signal, timed_out, secondary)
+
+    def _exit(self, rank: int, code: int) -> WorkerExit:
+        remote = self._remote[rank]
+        if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
+            code = 128 - code
+        return WorkerExit(rank, self._workers[rank].host, code, (), remote)
 
     def _note_exits(self, exits: list[WorkerExit | None]) -> list[int]:
         """Record the workers that have exited since the last call; their ranks, in order."""
         new = []
         for rank, proc in enumerate(self._procs):
             if exits[rank] is None and (code := proc.poll()) is not None:
-                remote = self._remote[rank]
-                if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
-                    code = 128 - code
-                exits[rank] = WorkerExit(rank, self._workers[rank].host, code, (), remote)
+                exits[rank] = self._exit(rank, code)
                 new.append(rank)
         return new
 
     def _terminate(self, ranks: Sequence[int] | range) -> None:
-        """SIGTERM the sessions of ``ranks``; SIGKILL what is left after the grace period."""
+        """SIGTERM the supervisors of ``ranks`` (each stops its worker: SIGTERM, then SIGKILL
+        after the grace period); SIGKILL those still there a moment after that."""
         running = [r for r in ranks if self._procs[r].poll() is None]
         if running:
             log.info("stopping ranks %s", running)
         for rank in running:
             _killpg(self._procs[rank], signal.SIGTERM)
-        end = time.monotonic() + self._grace_s
+        end = time.monotonic() + self._grace_s + _SUPERVISOR_MARGIN_S
         while running and time.monotonic() < end:
             running = [r for r in running if self._procs[r].poll() is None]
             time.sleep(_POLL_S)
@@ -591,7 +536,8 @@ def run_job(
     ``start_timeout_s`` bounds each wait of the store on a connecting worker. ``timeout_s`` bounds
     the whole job (``None``: no bound). ``handle_signals`` (main thread only) turns SIGINT and
     SIGTERM into :meth:`LocalJob.stop` for the job's duration. ``on_start`` sees the started job.
-    ``ssh`` says how to reach workers on other hosts; ``network_interface`` picks the interface
+    ``ssh`` says how to reach workers on other hosts (its ``connect_timeout`` defaults to
+    ``start_timeout_s``); ``network_interface`` picks the interface
     the store listens on (see :mod:`.netif`). ``store`` is a ``(secret, StoreServer)`` pair from
     :func:`start_store` that the caller keeps and closes (to read what the workers left in it);
     by default :func:`run_job` starts and closes its own. ``master_addr`` / ``master_port`` are the
@@ -601,9 +547,13 @@ def run_job(
     Raises:
         LaunchError: the store or a worker could not be started.
     """
+    ssh = ssh if ssh is not None else SshOptions()
+    if ssh.connect_timeout is None:
+        ssh = dataclasses.replace(ssh, connect_timeout=start_timeout_s)
     owned = store is None
     secret, server = start_store(workers, network_interface, start_timeout_s) if owned else store
     reserved: socket.socket | None = None
+    statuses = _StatusReader(server.host, server.port, secret)
     try:
         if master_addr is None:
             first = workers[0].host if workers else "localhost"
@@ -615,7 +565,7 @@ def run_job(
             command, workers, secret=secret, rendezvous=(server.host, server.port),
             job_id=secrets.token_hex(8), base_env=base_env, stdout=stdout, stderr=stderr,
             grace_s=grace_s, ssh=ssh, output_dir=output_dir, timestamps=timestamps,
-            master=(master_addr, master_port),
+            master=(master_addr, master_port), status=statuses,
         )
         log.info("rendezvous store on %s:%d", server.host, server.port)
         with _signals_to(job if handle_signals else None):
@@ -624,10 +574,36 @@ def run_job(
                 on_start(job)
             return job.wait(timeout_s)
     finally:
+        statuses.close()
         if reserved is not None:
             reserved.close()
         if owned:
             server.close()
+
+
+class _StatusReader:
+    """Reads the workers' failure statuses from the job's store (:mod:`ringflow.failure`),
+    through a client of its own, connected on first use."""
+
+    def __init__(self, host: str, port: int, secret: bytes) -> None:
+        self._where = (host, port, secret)
+        self._store: Any = None
+
+    def __call__(self, rank: int) -> Status | None:
+        from ..errors import RingflowError
+        from ..rendezvous import TCPStore
+
+        if self._store is None:
+            try:
+                self._store = TCPStore(*self._where, timeout=5.0)
+            except (RingflowError, OSError) as exc:
+                log.info("cannot read the workers' statuses: %s", exc)
+                return None
+        return read_status(self._store, rank)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
 
 
 def start_store(
@@ -668,6 +644,17 @@ def _signals_to(job: LocalJob | None) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _not_executable(program: str, path: str) -> str:
+    """Why ``program`` cannot be executed (as ``execvp`` would look for it), or ``""``."""
+    if shutil.which(program, path=path) is not None:
+        return ""
+    if os.sep not in program:
+        return f"{program!r} is not found on PATH"
+    if not os.path.exists(program):
+        return f"{program!r} does not exist"
+    return f"{program!r} is not an executable file"
 
 
 def _killpg(proc: subprocess.Popen[bytes], sig: int) -> None:

@@ -15,8 +15,11 @@ traceback)`` -- then exits 0 or 1. The launcher reads the outcomes before it clo
 Everything travels through the HMAC-authenticated store, never through files, so workers on other
 hosts need no shared filesystem; a value is limited to the store's 64 MiB.
 
-Errors: the first rank that raised (or died) is re-raised as :class:`~ringflow.errors.RankFailure`
-naming the rank, with the remote traceback; the other ranks are stopped first.
+Errors: the rank whose failure came first -- the root cause, not a rank whose collectives then
+failed because of it (:mod:`ringflow.runner.report`) -- is re-raised as
+:class:`~ringflow.errors.RankFailure` naming the rank, with its own traceback; the other ranks are
+stopped first. A function that raises fails the job on every rank at once, naming the rank and
+its error (:mod:`ringflow.failure`), as an uncaught exception in a script does.
 
 ``torch.multiprocessing.spawn(fn, args, nprocs=n)`` users write ``ringflow.run(fn, args, np=n)``
 and read the rank from ``ringflow.rank()`` (after ``ringflow.init()``) instead of a first argument.
@@ -76,8 +79,9 @@ def run(
     ``timeout`` bounds the whole run in seconds (``None``: no bound).
 
     Raises:
-        RankFailure: a rank raised, died, or was still running at ``timeout``; the lowest such
-            rank is named.
+        RankFailure: a rank raised or died (the one whose failure came first, not one that
+            failed because of it, is named, with its traceback), or ranks were still running
+            at ``timeout`` (the lowest is named).
         ConfigError: ``np < 1``, or ``fn`` and its arguments cannot be pickled.
         LaunchError: more ranks than slots, or a worker or the store could not start.
     """
@@ -119,13 +123,15 @@ def _outcome(store: Any, rank: int) -> tuple[Any, ...] | None:
 
 
 def _results(result: Any, outcomes: list[tuple[Any, ...] | None], timeout: float | None) -> list:
-    if result.first_failure is not None:
-        rank = result.first_failure.rank
-        outcome = outcomes[rank]
+    if result.first_failure is not None:  # the root cause, not a rank that failed of it
+        first = result.first_failure
+        outcome = outcomes[first.rank]
         if outcome is not None and outcome[0] == "error":
-            raise RankFailure(rank, f"{outcome[1]}\n{outcome[2]}")
-        tail = "\n".join(result.first_failure.stderr_tail)
-        raise RankFailure(rank, f"{result.first_failure.describe()}\n{tail}".rstrip())
+            raise RankFailure(first.rank, f"{outcome[1]}\n{outcome[2]}")
+        if first.status is not None and first.status.traceback:
+            raise RankFailure(first.rank, f"{first.status.error}\n{first.status.traceback}")
+        tail = "\n".join(first.stderr_tail)
+        raise RankFailure(first.rank, f"{first.describe()}\n{tail}".rstrip())
     if result.timed_out or result.stopped_by is not None:
         unfinished = result.unfinished
         rank = unfinished[0] if unfinished else 0
@@ -173,6 +179,7 @@ def _worker_main() -> None:
     global _IN_WORKER
     import traceback
 
+    from .. import failure
     from ..rendezvous import connect
 
     _IN_WORKER = True
@@ -185,6 +192,9 @@ def _worker_main() -> None:
         fn = getattr(fn, "_ringflow_body", fn)
         data = pickle.dumps(("ok", fn(*args, **kwargs)))
     except BaseException as exc:  # every failure goes back to the launcher, with its traceback
+        # First, as an uncaught exception would: record whether the failure is this rank's own
+        # or another rank's doing, and fail the job on every rank naming it (ringflow.failure).
+        failure.report(exc)
         data = pickle.dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         code = 1
     store.set(f"{_KEY}result/{rank}", data)

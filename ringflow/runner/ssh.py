@@ -2,13 +2,16 @@
 
 For the worker of rank ``r`` on ``host`` the launcher runs (an argv list, no local shell)::
 
-    ssh -T -o BatchMode=yes [-p PORT] [-i IDENTITY] [-F CONFIG] [HOST-KEY OPTIONS] HOST -- \\
+    ssh -T -o BatchMode=yes -o ConnectTimeout=START_TIMEOUT [-p PORT] [-i IDENTITY] [-F CONFIG] \\
+        [HOST-KEY OPTIONS] HOST -- \\
         'cd CWD && exec env -- NAME=VALUE ... PYTHON -m ringflow.runner.remote \\
          [--bind-interface IF] -- COMMAND ARGS...'
 
 * The remote command line is built with :func:`shlex.quote` for every word (the working directory,
   each variable, each argument), since sshd hands it to the remote user's shell. Host names that
   start with ``-`` are rejected, so a host can never become an ssh option.
+* ``ConnectTimeout``: ``--start-timeout`` (default 30 s), so a host that does not answer ends the
+  job with ssh's exit status 255 and its "timed out" in the report instead of hanging it.
 * ``BatchMode=yes``: ssh never prompts for a password or a host key; an unknown host fails at once.
   Host-key checking stays as the user's ssh configuration has it; only ``host_key_checking=False``
   (``--disable-host-key-checking``) adds ``StrictHostKeyChecking=no`` and a throwaway
@@ -30,6 +33,7 @@ For the worker of rank ``r`` on ``host`` the launcher runs (an argv list, no loc
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shlex
 import sys
@@ -67,6 +71,10 @@ class SshOptions:
     export: tuple[str, ...] = ()
     #: ``--network-interface``: resolved on each remote host into ``RINGFLOW_BIND_ADDR``.
     bind_interface: str | None = None
+    #: ssh's ``ConnectTimeout`` in seconds (``None``: ssh's own, which for a host that drops
+    #: SYNs is the kernel's, minutes). :func:`~ringflow.runner.launch.run_job` sets it to
+    #: ``--start-timeout`` unless given; on the command line it wins over any ssh config file.
+    connect_timeout: float | None = None
     python: str = dataclasses.field(default_factory=lambda: sys.executable)
     cwd: str = dataclasses.field(default_factory=os.getcwd)
 
@@ -96,6 +104,8 @@ def ssh_argv(
             "with '-'); fix -H / --hostfile"
         )
     argv = ["ssh", "-T", "-o", "BatchMode=yes"]
+    if opts.connect_timeout is not None:
+        argv += ["-o", f"ConnectTimeout={max(1, math.ceil(opts.connect_timeout))}"]
     if opts.port is not None:
         argv += ["-p", str(opts.port)]
     if opts.identity_file:
