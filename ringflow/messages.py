@@ -15,7 +15,18 @@ any frame is read; :func:`decode` accepts only the classes below. Rank 0 is the 
                                                       every pending and later call with it
     either way       : Heartbeat()                    liveness, every min(1 s, timeout_s / 4)
 
-An empty frame is the transport's goodbye (the peer shuts down on purpose), not a message. Errors
+Point to point (:mod:`ringflow.p2p`), between the two ranks involved only, handled on the
+receiver's transport thread without the engine's lock::
+
+    sender -> receiver : P2PData(tag, seq, dtype, shape,   one chunk (at most p2p.CHUNK_BYTES of
+                                 offset, data, tracked,    data) of message ``seq`` of the sender;
+                                 error)                    every chunk carries the whole header
+    receiver -> sender : P2PReply(tag, seq, error, text)   message ``seq`` was received (error
+                                                           empty) or refused (a MismatchError)
+
+P2PData carries its array out of band (after the pickled header, 16-byte aligned; see
+:func:`encode`), so that the data is copied once on each side. An empty frame is the
+transport's goodbye (the peer shuts down on purpose), not a message. Errors
 travel as (class name, text) and are rebuilt from the closed table
 :data:`ringflow.errors.TRAVELLING`.
 """
@@ -28,7 +39,8 @@ from typing import Any
 
 from .errors import ProtocolError, RingflowError, from_wire
 
-__all__ = ["Abort", "Fatal", "Heartbeat", "Message", "Plan", "Submit", "decode", "encode"]
+__all__ = ["Abort", "Fatal", "Heartbeat", "Message", "P2PData", "P2PReply", "Plan", "Submit",
+           "decode", "encode"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,25 +81,75 @@ class Heartbeat:
     pass
 
 
-Message = Submit | Plan | Abort | Fatal | Heartbeat
-_KINDS = (Submit, Plan, Abort, Fatal, Heartbeat)
+# point to point ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class P2PData:
+    """One chunk of a point-to-point message (see :mod:`ringflow.p2p`)."""
+
+    tag: int | tuple[int, int]  # the user's tag, or (tag, seq) of a forward message: a gradient
+    seq: int  # the sender's message number (one counter for all its messages)
+    dtype: str  # a name of ops.DTYPES; "" with ``error``
+    shape: tuple[int, ...]
+    offset: int  # of ``data`` in the message's bytes; chunks come in order
+    data: Any  # numpy uint8 array: bytes offset .. offset + data.size of the message
+    tracked: bool = False  # the sender's adapter tracks it for gradients (it will want one)
+    error: str = ""  # the sender could not send (a TensorError's text): no data follows
+
+
+@dataclasses.dataclass(frozen=True)
+class P2PReply:
+    """The receiver's answer to message ``seq``: received in full, or refused with an error."""
+
+    tag: int | tuple[int, int]
+    seq: int
+    error: str  # "" or a class name of ringflow.errors.TRAVELLING (MismatchError)
+    text: str
+
+
+Message = Submit | Plan | Abort | Fatal | Heartbeat | P2PData | P2PReply
+_KINDS = (Submit, Plan, Abort, Fatal, Heartbeat, P2PData, P2PReply)
 _HEARTBEAT = pickle.dumps(Heartbeat(), protocol=5)
 
 
-def encode(message: Message) -> bytes:
+# A P2PData frame carries its array out of band (pickle protocol 5), so that neither side copies
+# the data through pickle: ``_OOB`` (1 byte, never the first byte of a pickle), the header's length
+# (4 bytes, big-endian), the pickled header, zeros up to a multiple of 16 bytes, the data. The
+# receiver's array is a view of the frame, as aligned as the frame itself.
+_OOB = b"\x01"
+_OOB_ALIGN = 16
+
+
+def _data_offset(header: int) -> int:
+    return -(-(5 + header) // _OOB_ALIGN) * _OOB_ALIGN
+
+
+def encode(message: Message) -> bytes | bytearray:
     if isinstance(message, Heartbeat):
         return _HEARTBEAT
+    if isinstance(message, P2PData):
+        buffers: list[pickle.PickleBuffer] = []
+        header = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+        data = buffers[0].raw() if buffers else memoryview(b"")
+        pad = bytes(_data_offset(len(header)) - 5 - len(header))
+        head = bytearray(_OOB + len(header).to_bytes(4, "big") + header + pad)
+        return head + data  # the one copy of the data on the sending side (no zero-filling)
     return pickle.dumps(message, protocol=5)
 
 
-def decode(payload: bytes) -> Message:
+def decode(payload: bytes | bytearray) -> Message:
     """The message in ``payload`` (from an authenticated peer).
 
     Raises:
         ProtocolError: it is not one of the protocol's messages.
     """
     try:
-        message = pickle.loads(payload)
+        if payload[:1] == _OOB:
+            view = memoryview(payload)
+            header = int.from_bytes(view[1:5], "big")
+            message = pickle.loads(view[5:5 + header],
+                                   buffers=[view[_data_offset(header):]])
+        else:
+            message = pickle.loads(payload)
     except Exception as exc:
         raise ProtocolError(f"a control message could not be decoded: {exc!r}") from exc
     if type(message) not in _KINDS:
