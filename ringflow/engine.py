@@ -68,6 +68,7 @@ from .handles import Handle
 from .liveness import Liveness
 from .messages import Abort, Fatal, Heartbeat, Message, Plan, Submit, decode, encode
 from .negotiation import CachedAllreduce, Coordinator, Request, Response, ResponseCache
+from .p2p import PointToPoint
 from .timeline import Timeline, path_for_rank
 
 __all__ = ["Engine", "Entry"]
@@ -132,6 +133,7 @@ class Engine:
         self._timeline: Timeline | None = None
         if config.timeline_path:
             self._set_timeline(config.timeline_path)
+        self.p2p = PointToPoint(rank, size, transport.send_ctrl, self.stats)
         if size > 1:
             ref = weakref.ref(self)
             transport.set_ctrl_handler(
@@ -226,6 +228,9 @@ class Engine:
             msg = decode(payload)
             if isinstance(msg, Heartbeat):
                 return
+            if isinstance(msg, PointToPoint.MESSAGES):
+                self.p2p.on_message(src, msg)  # between two ranks: no engine lock, no wake-up
+                return
             if isinstance(msg, (Abort, Fatal)):
                 self._inbox.put((Wake.MESSAGE, src, msg))  # the engine thread's business
                 return
@@ -241,6 +246,7 @@ class Engine:
             self._inbox.put((Wake.ERROR, exc))
 
     def _on_peer_failure(self, peer: int, error: BaseException) -> None:
+        self.p2p.peer_failed(peer, error)
         self._inbox.put((Wake.PEER, peer, error))
 
     # the engine thread -------------------------------------------------------------------------
@@ -454,6 +460,7 @@ class Engine:
                     keep.append(item)  # a STOP must still stop the thread
             for item in keep:
                 self._inbox.put(item)
+        self.p2p.close(error)  # outside the lock: it completes handles itself
 
     # messaging ---------------------------------------------------------------------------------
     def _send(self, dst: int, msg: Message) -> None:
