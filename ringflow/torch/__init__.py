@@ -35,6 +35,9 @@ Differences from Horovod 0.28 (each one deliberate):
 - ``broadcast_object`` / ``allgather_object`` use a fixed default name (Horovod's is the type's
   name, which differs when non-root ranks pass ``None``); ``broadcast_optimizer_state`` handles
   every ``torch.optim`` optimizer, LBFGS included, and state present on some ranks only.
+- Point to point (not in Horovod): ``send`` / ``recv`` (differentiable: ``send`` returns a token
+  to backpropagate through, the receiver's backward sends the gradient back; see
+  :mod:`ringflow.torch.p2p`) and ``isend`` / ``irecv`` (torch.distributed's ``Work``).
 - ``elastic`` (Horovod's elastic training) is not provided: ringflow jobs do not resize.
   ``HostsUpdatedInterrupt`` exists for code that catches it and is never raised.
 
@@ -120,6 +123,7 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer, OptimizerMisuseError
+from .p2p import P2PWork, irecv, isend, recv, send  # point to point (differentiable send/recv)
 from .sampler import DistributedSampler
 from .sync_batch_norm import SyncBatchNorm
 
@@ -196,3 +200,5 @@ __all__ = [
     "stop_timeline",
     "synchronize",
 ]
+# point to point
+__all__ += ["P2PWork", "irecv", "isend", "recv", "send"]
