@@ -6,7 +6,8 @@
 One *round* is rank 0 -> rank 1 -> rank 0: rank 0 sends an array and receives it back, rank 1
 receives it and sends it back (blocking calls, received into a preallocated array), timed on
 rank 0 after warm-up. Sizes: 4 KiB and 64 MiB of float32. Printed: the median, p10 and p90 of
-a round, and for 64 MiB the bandwidth ``2 * S / round``.
+a round, and for 64 MiB the bandwidth ``2 * S / round``; for reference, the latency of one
+4 KiB allreduce (named, cached) in the same ringflow job.
 
 - ``ringflow``: ``ringflow-run -np 2`` (``ringflow.send`` / ``ringflow.recv``), once per chunk
   size in ``--chunks`` (MiB; ``ringflow.p2p.CHUNK_BYTES`` is the default);
@@ -64,6 +65,9 @@ def ringflow_worker(out: str, iters: int, big_iters: int, chunk_mib: float) -> N
         n = iters if nbytes < (1 << 20) else big_iters
         result[label] = rounds(lambda x=x: rf.send(x, 1 - r), lambda b=buf: rf.recv(1 - r, out=b),
                                r, nbytes, n, 20 if n > 20 else 2)
+    x = np.ones(1024, np.float32)  # reference: one 4 KiB allreduce on the same ranks
+    result["allreduce4KiB"] = rounds(lambda: rf.allreduce(x, name="ref"), lambda: None, r, 4096,
+                                     iters, 200)
     if r == 0:
         Path(out).write_text(json.dumps(result))
     rf.barrier()
@@ -119,6 +123,9 @@ def describe(name: str, result: dict[str, list[float]]) -> dict[str, float]:
         extra = f", {2 * nbytes / (med / 1e3) / 1e9:.2f} GB/s" if nbytes >= (1 << 20) else ""
         print(f"{name:>24} {label:>6}: round median {med:8.3f} ms  (p10 "
               f"{np.percentile(t, 10):.3f}, p90 {np.percentile(t, 90):.3f}){extra}", flush=True)
+    if "allreduce4KiB" in result:
+        t = np.asarray(result["allreduce4KiB"]) * 1e3
+        print(f"{name:>24} (a 4 KiB allreduce: median {np.median(t):.3f} ms)", flush=True)
     return row
 
 
