@@ -504,6 +504,23 @@ def point_to_point(fw: Any) -> None:
             got = fw.call(lambda t: _recv(fw, 0, 3, shape=(4,), dtype=np.float64) + t,
                           np.zeros(4))
             equal("p2p: the next message after a mismatch", got, np.arange(4.0))
+    for name in ("bool", "uint8", "int8", "uint16", "int16", "int32", "int64", "float16",
+                 "bfloat16", "float32", "float64"):  # every dtype both frameworks move
+        def exchange(a: Any, name: str = name) -> Any:
+            dtype = getattr(fw.torch, name) if isinstance(fw, Torch) else fw.tf.as_dtype(name)
+            a = a.to(dtype) if isinstance(fw, Torch) else fw.tf.cast(a, dtype)
+            if r % 2 == 0:
+                hvd.send(a, (r + 1) % n, tag=5)
+                b = hvd.recv(prv, tag=5, dtype=dtype)
+            else:
+                b = hvd.recv(prv, tag=5, dtype=dtype)
+                hvd.send(a, (r + 1) % n, tag=5)
+            return b.to(fw.torch.int64) if isinstance(fw, Torch) else fw.tf.cast(b, fw.tf.int64)
+
+        got = fw.call(exchange, (np.arange(7) * 3 + r) % 2 if name == "bool" else
+                      np.arange(7) * 3 + r)
+        want = (np.arange(7) * 3 + prv) % 2 if name == "bool" else np.arange(7) * 3 + prv
+        equal(f"p2p ring: {name}", got, want)
     if not fw.graph:  # handles (torch.distributed's Work): is_completed(), wait()
         work = hvd.isend(fw.t(np.full(3, r, np.int32)), (r + 1) % n, tag=4)
         got = hvd.irecv(prv, tag=4).wait()
