@@ -69,10 +69,12 @@ from .submission import as_array
 __all__ = ["CHUNK_BYTES", "P2PHandle", "PointToPoint", "Tag", "check_peer", "check_tag",
            "start_recv", "start_send"]
 
-#: The most array bytes one P2PData frame carries (its header adds ~200 bytes): far below
-#: MAX_CTRL_BYTES (64 MiB), so a large message never holds up the engine's own messages on that
-#: connection for long. 4 MiB: see benchmarks/p2p_latency.py and benchmarks/RESULTS.md.
-CHUNK_BYTES = 4 * 1024 * 1024
+#: The most array bytes one P2PData frame carries (its header adds under 100 bytes), far below
+#: MAX_CTRL_BYTES (64 MiB): the receiver copies each frame into place while the next arrives,
+#: and no frame is a large allocation of its own. 1 MiB: a 64 MiB round trip took a median of
+#: 123 ms against 149 with 4 MiB and 218-331 with 16 MiB (benchmarks/p2p_latency.py, 2 ranks;
+#: benchmarks/RESULTS.md section 8).
+CHUNK_BYTES = 1024 * 1024
 
 # A receive is usually answered within ~100 us: poll that long before sleeping (see Handle).
 _SPIN_S = 100e-6
