@@ -20,7 +20,8 @@ no other rank (the coordinator included) sees it or is woken by it::
    size, filled as chunks arrive) in arrival order until ``irecv`` takes it. Either way later
    chunks are copied straight to where the message goes: the receive's ``out``, a fresh array,
    or the unexpected buffer (which becomes the result, without a copy, if the receive has no
-   ``out``). A message of one chunk and no ``out`` is returned as decoded, with no copy at all.
+   ``out``). A message of one chunk and no ``out`` is returned as a view of its frame, with no
+   copy at all.
 3. Matching checks that the receive's ``out`` / ``shape`` holds as many elements as were sent and
    that its dtype (``out``'s or ``dtype``) is the one sent. A disagreement fails the receive with
    a :class:`~ringflow.errors.MismatchError` naming both ranks' values, discards the message, and
@@ -36,15 +37,16 @@ no other rank (the coordinator included) sees it or is woken by it::
 
 Failures. A peer that fails or says goodbye fails every pending send to it and receive from it
 (a receive can still take a message that arrived complete before); the engine's ``_close`` (a
-fatal job error, shutdown) fails everything pending, and every later call raises that error at
-the call.
+fatal job error, this rank's shutdown, or rank 0's: the coordinator leaving closes the other
+engines) fails everything pending, and every later call raises that error at the call.
 
 Tags are any Python int. Adapters send gradients on a separate tag space: the pair
 ``(tag, seq)`` of the forward message (see :mod:`ringflow._adapter`), which no int equals.
 
 Cost per message of S bytes: ceil(S / CHUNK_BYTES) frames (at least 1) one way and one reply
-back; the sender copies the data once (pickling), the receiver about three times (the
-transport's frame, unpickling, the destination); nothing on any other rank.
+back; besides the transport's own reads and writes, the sender copies the data once (into the
+frames: the array travels out of band, :func:`ringflow.messages.encode`) and the receiver once
+(out of each frame into place); nothing on any other rank.
 """
 
 from __future__ import annotations
