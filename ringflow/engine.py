@@ -247,6 +247,8 @@ class Engine:
 
     def _on_peer_failure(self, peer: int, error: BaseException) -> None:
         self.p2p.peer_failed(peer, error)
+        if isinstance(error, ShutdownError):
+            self._liveness.forget(peer)  # it said goodbye: not a frozen peer after timeout_s
         self._inbox.put((Wake.PEER, peer, error))
 
     # the engine thread -------------------------------------------------------------------------
@@ -278,7 +280,9 @@ class Engine:
                     self._fail_job(ShutdownError(f"internal error in the engine: {exc!r}"))
             if stop:
                 break
-        self._close(ShutdownError("ringflow was shut down while this op was pending"))
+        stopped = ShutdownError("ringflow was shut down while this op was pending")
+        self._close(stopped)
+        self.p2p.close(stopped)  # point to point ends with this rank's engine...
 
     def _next_items(self) -> list[tuple]:
         busy = self._pending or (self.coordinator is not None and self.coordinator.holding)
@@ -415,6 +419,7 @@ class Engine:
         self._fatal = error
         log.error("ringflow: %s", error)
         self._close(error)
+        self.p2p.close(error)  # ... or the job, not when rank 0 leaves: it takes no part in it
 
     def _await_verdict(self, error: BaseException) -> BaseException:
         """Give rank 0 a moment to announce the job's error, so every rank reports one text."""
@@ -460,7 +465,6 @@ class Engine:
                     keep.append(item)  # a STOP must still stop the thread
             for item in keep:
                 self._inbox.put(item)
-        self.p2p.close(error)  # outside the lock: it completes handles itself
 
     # messaging ---------------------------------------------------------------------------------
     def _send(self, dst: int, msg: Message) -> None:

@@ -36,9 +36,10 @@ no other rank (the coordinator included) sees it or is woken by it::
    fails with the same text instead of waiting.
 
 Failures. A peer that fails or says goodbye fails every pending send to it and receive from it
-(a receive can still take a message that arrived complete before); the engine's ``_close`` (a
-fatal job error, this rank's shutdown, or rank 0's: the coordinator leaving closes the other
-engines) fails everything pending, and every later call raises that error at the call.
+(a receive can still take a message that arrived complete before). A fatal job error or this
+rank's shutdown fails everything pending, and every later call raises that error at the call.
+Rank 0 leaving (``shutdown()``) ends the collectives of the other ranks but not their point to
+point, in which it takes no part.
 
 Tags are any Python int. Adapters send gradients on a separate tag space: the pair
 ``(tag, seq)`` of the forward message (see :mod:`ringflow._adapter`), which no int equals.

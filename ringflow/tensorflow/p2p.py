@@ -45,7 +45,7 @@ import tensorflow as tf
 
 import ringflow as _core
 from ringflow import _adapter as kit
-from ringflow.errors import TensorError
+from ringflow.errors import ShutdownError, TensorError
 from ringflow.p2p import P2PHandle, check_peer, check_tag, start_recv, start_send
 
 from .mpi_ops import _call, _plain
@@ -125,11 +125,15 @@ class _TFP2POps:
 
 
 def _log_failure(handle: Any) -> None:
+    """Nobody waits for a gradient's send: say what happened to it (its data may still arrive
+    when this rank shut down first: it went out before the goodbye)."""
     try:
         handle.wait(0)
-    except Exception as exc:  # nobody waits for a gradient's send: say what happened to it
-        log.error("ringflow.tensorflow: sending a gradient back (%s) failed: %s", handle.name,
-                  exc)
+    except ShutdownError as exc:
+        log.debug("ringflow.tensorflow: a gradient sent back (%s) was not confirmed: %s",
+                  handle.name, exc)
+    except Exception as exc:
+        log.error("ringflow.tensorflow: sending a gradient back (%s) failed: %s", handle.name, exc)
 
 
 _OPS = _TFP2POps()

@@ -25,15 +25,16 @@ ROOT = Path(ringflow.__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "engine_workers" / "p2p_worker.py")
 
 
-def launch(scenario: str, n: int, out: Path, timeout: float = 150,
-           ok: bool = True) -> dict[int, dict[str, Any]]:
+def launch(scenario: str, n: int, out: Path, timeout: float = 150, ok: bool = True,
+           env: dict[str, str] | None = None) -> dict[int, dict[str, Any]]:
     """Run ``scenario`` on ``n`` ranks; return each reporting rank's JSON, by rank."""
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "ringflow.runner", "-np", str(n), sys.executable, WORKER,
              scenario, str(out)],
-            env={**os.environ, "PYTHONPATH": pythonpath}, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})}, capture_output=True,
+            text=True,
             timeout=timeout,
         )
     except subprocess.TimeoutExpired as exc:
@@ -102,8 +103,8 @@ def test_the_coordinator_sees_nothing_of_an_exchange_between_two_ranks(tmp_path:
     results = launch("quiet", 3, tmp_path)
     assert all(v == 0 for v in results[0]["delta"].values()), results[0]["delta"]
     for r in (1, 2):
-        delta = results[r]["delta"]
-        assert delta["p2p_sent"] == 20 and delta["p2p_received"] == 20, delta
+        delta, after = results[r]["delta"], results[r]["after"]
+        assert after["p2p_sent"] == 20 and after["p2p_received"] == 20, after
         assert delta["requests_sent"] == delta["bits_sent"] == delta["collectives"] == 0, delta
 
 
@@ -122,3 +123,12 @@ def test_a_peer_that_shuts_down_fails_pending_receives_from_it(tmp_path: Path) -
     results = launch("shutdown_peer", 2, tmp_path)
     pending = results[0]["pending"]
     assert pending["type"] == "ShutdownError" and "rank 1 has shut down" in pending["text"]
+
+
+def test_point_to_point_outlives_the_coordinators_shutdown(tmp_path: Path) -> None:
+    results = launch("coordinator_leaves", 3, tmp_path, env={"RINGFLOW_TIMEOUT_S": "2"})
+    for r in (1, 2):
+        assert results[r]["got"] == [10 * (3 - r) + i for i in range(5)]
+        collective = results[r]["collective"]
+        assert collective["type"] == "ShutdownError", collective
+        assert "rank 0 (the coordinator) has shut down" in collective["text"], collective

@@ -194,7 +194,9 @@ def quiet(r: int, n: int, outdir: Path) -> dict[str, Any]:
             time.sleep(0.01)
     after = rf.stats()
     rf.barrier()
-    return {"delta": {k: after[k] - before.get(k, 0) for k in after}}
+    # (The p2p counters since init: a peer may send its first message before this rank's
+    # ``before``.)
+    return {"delta": {k: after[k] - before.get(k, 0) for k in after}, "after": after}
 
 
 def peer_death(r: int, n: int, outdir: Path) -> dict[str, Any]:
@@ -240,6 +242,29 @@ def shutdown_peer(r: int, n: int) -> dict[str, Any]:
     return {"pending": pending}
 
 
+def coordinator_leaves(r: int, n: int, outdir: Path) -> dict[str, Any]:
+    """Rank 0 shuts down; ranks 1 and 2 go on exchanging messages, also after timeout_s (a peer
+    that said goodbye is not taken for frozen), while their collectives fail naming rank 0."""
+    rf.barrier()
+    if r == 0:
+        rf.shutdown()
+        (outdir / "left").write_text("rank 0 has shut down")
+        return {}
+    deadline = time.monotonic() + 30
+    while not (outdir / "left").exists():
+        check(time.monotonic() < deadline, "rank 0 did not shut down")
+        time.sleep(0.01)
+    time.sleep(float(os.environ["RINGFLOW_TIMEOUT_S"]) + 1.5)
+    peer = 3 - r
+    got = []
+    for i in range(5):
+        h = rf.isend(np.full(3, 10 * r + i), peer, tag=i)
+        got.append(int(rf.recv(peer, tag=i)[0]))
+        h.wait(30)
+    check(got == [10 * peer + i for i in range(5)], f"exchange after rank 0 left: {got}")
+    return {"got": got, "collective": failure(rf.allreduce, np.ones(2), name="after")}
+
+
 def pingpong(r: int, n: int) -> dict[str, Any]:
     """Latency of one send/recv round trip (rank 0 -> 1 -> 0) at 4 KiB and 64 MiB."""
     out: dict[str, Any] = {}
@@ -263,7 +288,8 @@ def pingpong(r: int, n: int) -> dict[str, Any]:
 
 SCENARIOS = {"ring": ring, "unexpected": unexpected, "fifo": fifo, "errors": errors,
              "shutdown_peer": shutdown_peer, "pingpong": pingpong}
-NEEDS_DIR = {"quiet": quiet, "peer_death": peer_death}
+NEEDS_DIR = {"quiet": quiet, "peer_death": peer_death,
+             "coordinator_leaves": coordinator_leaves}
 
 
 def main() -> None:
@@ -282,11 +308,7 @@ def main() -> None:
     result["rank"] = r
     (outdir / f"{r}.json.tmp").write_text(json.dumps(result))
     os.replace(outdir / f"{r}.json.tmp", outdir / f"{r}.json")
-    if scenario in SCENARIOS and scenario != "shutdown_peer":
-        # Rank 0 shutting down closes the other ranks' engines, point to point included: a rank
-        # that finished must not leave while its peers still exchange messages.
-        rf.barrier()
-    rf.shutdown()
+    rf.shutdown()  # no barrier first: point to point outlives rank 0's shutdown
 
 
 if __name__ == "__main__":
