@@ -112,6 +112,8 @@ __all__ = [
     "stop_timeline",
     "synchronize",
 ]
+# point to point (ringflow.p2p)
+__all__ += ["irecv", "isend", "recv", "send"]
 
 
 # collectives -------------------------------------------------------------------------------------
@@ -310,3 +312,55 @@ def poll(handle: Handle) -> bool:
 
 def synchronize(handle: Handle) -> Any:
     return handle.wait()
+
+
+# point to point (ringflow.p2p) -------------------------------------------------------------------
+def isend(array: Any, dst: int, tag: int = 0) -> Handle:
+    """Start sending ``array`` to rank ``dst``: only this rank and ``dst`` take part (no
+    coordinator, no other rank). Messages of one (source, tag) are received in the order they
+    were sent; ``tag`` is any int.
+
+    The handle completes once ``dst`` has received the whole array (MPI's synchronous mode), or
+    fails with what ``dst`` reports: a receive whose size or dtype disagrees (the same
+    MismatchError text on both ranks), or a peer that failed. An array ringflow cannot send
+    (its dtype) fails the handle and ``dst``'s matching receive alike.
+
+    Raises:
+        TensorError: ``dst`` is not another rank of the job, or ``tag`` is not an int.
+        HorovodInternalError: the job has failed or was shut down.
+    """
+    from .p2p import start_send
+
+    return start_send(array, dst, tag)
+
+
+def send(array: Any, dst: int, tag: int = 0) -> None:
+    """Send ``array`` to rank ``dst`` and return once ``dst`` has received it; an exchange in
+    which both ranks send first needs :func:`isend`. Errors as :func:`isend`'s."""
+    isend(array, dst, tag).wait()
+
+
+def irecv(src: int, tag: int = 0, out: np.ndarray | None = None,
+          shape: Sequence[int] | None = None, dtype: Any = None) -> Handle:
+    """Start receiving the next message of rank ``src`` sent with ``tag``; the handle's result is
+    the array: ``out`` itself when given, else a new array of ``shape`` (default: the sender's)
+    and the sender's dtype. A message sent before the receive is posted waits for it.
+
+    ``out`` / ``shape`` must hold exactly as many elements as were sent, and ``out``'s dtype or
+    ``dtype`` must be the one sent; otherwise the receive and the send fail with one
+    MismatchError text, the message is dropped, and the next receive takes the next message.
+
+    Raises:
+        TensorError: ``src`` is not another rank of the job, ``tag`` is not an int, or ``out`` /
+            ``shape`` / ``dtype`` are not usable (or disagree with each other).
+        HorovodInternalError: the job has failed or was shut down.
+    """
+    from .p2p import start_recv
+
+    return start_recv(src, tag, out, shape, dtype)
+
+
+def recv(src: int, tag: int = 0, out: np.ndarray | None = None,
+         shape: Sequence[int] | None = None, dtype: Any = None) -> np.ndarray:
+    """Receive the next message of rank ``src`` sent with ``tag`` (see :func:`irecv`)."""
+    return irecv(src, tag, out, shape, dtype).wait()  # type: ignore[no-any-return]

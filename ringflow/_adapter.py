@@ -15,7 +15,10 @@ the rest of Horovod's semantics lives here, so the two adapters cannot drift apa
 - :data:`GRADIENTS`: one gradient rule per differentiable collective, written over the small
   :class:`Ops` interface that each adapter implements with its own tensors; torch applies a rule
   in ``autograd.Function.backward``, TensorFlow in ``tf.custom_gradient``;
-- :func:`sparse_scale`: Horovod's sparse allreduce (allgather of values and indices).
+- :func:`sparse_scale`: Horovod's sparse allreduce (allgather of values and indices);
+- :data:`P2P_GRADIENTS`: the gradient rules of point-to-point ``send`` / ``recv`` over the
+  :class:`P2POps` interface (the contract each adapter documents: a send returns a token to
+  backpropagate through; the receiver's backward sends the gradient back).
 
 Gradient rules are Horovod 0.28's (``horovod/torch/mpi_ops.py``, ``horovod/tensorflow/mpi_ops.py``),
 which take the loss to be averaged over ranks:
@@ -31,6 +34,11 @@ reducescatter   allgather of ``dy``, times the set size for Sum, times prescale 
 ==============  ======================================================================
 
 Grouped collectives apply the same rule to every tensor of the group, as one grouped operation.
+
+Point to point (MegEngine's ``remote_send`` / ``remote_recv``): the gradient of ``send(x, dst,
+tag)`` is a receive from ``dst`` of a tensor like ``x``, and the gradient of ``recv(src, tag)`` is
+a send of the output's gradient to ``src``, both on the gradient tag :func:`grad_tag` of the
+forward message, so that backward passes pair exactly whatever order they run in.
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ __all__ = [
     "compressed", "even_splits", "grad_name", "op_name", "resolve_op",
     "sparse_scale", "split_groups",
 ]
+# point to point
+__all__ += ["P2P_GRADIENTS", "P2POps", "P2PSpec", "grad_tag"]
 
 T = TypeVar("T")
 
@@ -282,3 +292,54 @@ def sparse_scale(op: ReduceOp, prescale: float, postscale: float, process_set: P
         raise TensorError(f"allreduce of the sparse tensor {name or '(unnamed)'} supports op Sum "
                           f"or Average, not {op.name}; densify it first (sparse_as_dense=True)")
     return prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
+
+
+# point to point ----------------------------------------------------------------------------------
+def grad_tag(tag: int, seq: Any) -> tuple[int, Any]:
+    """The tag on which the gradient of the forward message ``seq`` (its sender's number, which
+    the receiver learns with the message) sent with ``tag`` travels back: the pair, which no
+    user tag (an int) equals, and which names one message, so the two ranks' backward passes
+    need not run their point-to-point operations in the same order. ``seq`` may be a framework
+    value (a TensorFlow graph's); the adapter turns it into an int when the operation runs."""
+    return (tag, seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class P2PSpec:
+    """One forward point-to-point call, as its gradient rule needs it."""
+
+    kind: str  # send, recv
+    peer: int  # send: the destination; recv: the source
+    tag: int
+    seq: Any  # the forward message's number (an int, or a framework value)
+    like: Any = None  # send: what the gradient looks like (the adapter's; opaque to the kit)
+
+
+class P2POps(Protocol[T]):
+    """What the point-to-point gradient rules need from a framework."""
+
+    def send(self, x: T, dst: int, tag: Any) -> None:
+        """Start sending ``x`` to ``dst`` and return without waiting for it to be received (a
+        backward pass must not wait on its peer's: the two may run in any order)."""
+        ...
+
+    def recv(self, src: int, tag: Any, like: Any) -> T:
+        """Receive from ``src`` a tensor described by ``like`` (see :class:`P2PSpec`)."""
+        ...
+
+
+def _send_grad(f: P2POps[T], dys: list[T], s: P2PSpec) -> list[T]:
+    return [f.recv(s.peer, grad_tag(s.tag, s.seq), s.like)]
+
+
+def _recv_grad(f: P2POps[T], dys: list[T], s: P2PSpec) -> list[T]:
+    f.send(dys[0], s.peer, grad_tag(s.tag, s.seq))
+    return []  # a receive has no input to differentiate
+
+
+#: kind -> rule(ops, output gradients, forward spec) -> input gradients. ``send``'s output is the
+#: token (its gradient is ignored); ``recv``'s the received tensor.
+P2P_GRADIENTS: dict[str, Callable[[P2POps[Any], list[Any], P2PSpec], list[Any]]] = {
+    "send": _send_grad,
+    "recv": _recv_grad,
+}

@@ -68,6 +68,7 @@ from .handles import Handle
 from .liveness import Liveness
 from .messages import Abort, Fatal, Handover, Heartbeat, Message, Plan, Submit, decode, encode
 from .negotiation import CachedAllreduce, Coordinator, Request, Response, ResponseCache
+from .p2p import PointToPoint
 from .timeline import Timeline, path_for_rank
 
 __all__ = ["Engine", "Entry"]
@@ -135,6 +136,7 @@ class Engine:
         self._timeline: Timeline | None = None
         if config.timeline_path:
             self._set_timeline(config.timeline_path)
+        self.p2p = PointToPoint(rank, size, transport.send_ctrl, self.stats)
         if size > 1:
             ref = weakref.ref(self)
             transport.set_ctrl_handler(
@@ -247,6 +249,9 @@ class Engine:
             msg = decode(payload)
             if isinstance(msg, Heartbeat):
                 return
+            if isinstance(msg, PointToPoint.MESSAGES):
+                self.p2p.on_message(src, msg)  # between two ranks: no engine lock, no wake-up
+                return
             if isinstance(msg, (Abort, Fatal)):
                 self._inbox.put((Wake.MESSAGE, src, msg))  # the engine thread's business
                 return
@@ -286,6 +291,9 @@ class Engine:
         self._plan()
 
     def _on_peer_failure(self, peer: int, error: BaseException) -> None:
+        self.p2p.peer_failed(peer, error)
+        if isinstance(error, ShutdownError):
+            self._liveness.forget(peer)  # it said goodbye: not a frozen peer after timeout_s
         self._inbox.put((Wake.PEER, peer, error))
 
     # the engine thread -------------------------------------------------------------------------
@@ -317,7 +325,9 @@ class Engine:
                     self._fail_job(ShutdownError(f"internal error in the engine: {exc!r}"))
             if stop:
                 break
-        self._close(ShutdownError("ringflow was shut down while this op was pending"))
+        stopped = ShutdownError("ringflow was shut down while this op was pending")
+        self._close(stopped)
+        self.p2p.close(stopped)  # point to point ends with this rank's engine...
 
     def _next_items(self) -> list[tuple]:
         busy = self._pending or (self.coordinator is not None and self.coordinator.holding)
@@ -460,6 +470,7 @@ class Engine:
         self._fatal = error
         log.error("ringflow: %s", error)
         self._close(error)
+        self.p2p.close(error)  # ... or the job, not when rank 0 leaves: it takes no part in it
 
     def _await_verdict(self, error: BaseException) -> BaseException:
         """Give rank 0 a moment to announce the job's error, so every rank reports one text."""

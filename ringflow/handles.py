@@ -1,7 +1,8 @@
 """Handle: the future an async collective returns.
 
-``poll()`` says whether it finished; ``wait(timeout)`` blocks and re-raises the operation's error
-(the same class and text on every rank); ``result()`` is ``wait()`` returning the output.
+``poll()`` (or ``is_completed()``, torch.distributed's name) says whether it finished;
+``wait(timeout)`` blocks and re-raises the operation's error (the same class and text on every
+rank); ``result()`` is ``wait()`` returning the output.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class Handle:
     def poll(self) -> bool:
         """True once the operation finished (successfully or not)."""
         return self._done.is_set()
+
+    def is_completed(self) -> bool:
+        """True once the operation finished (torch.distributed's ``Work.is_completed``)."""
+        return self.poll()
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done and return the result; raise the operation's error if it failed."""

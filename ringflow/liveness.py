@@ -11,6 +11,7 @@ PeerError naming it. A dead peer is found sooner, by its transport (a closed con
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -44,6 +45,11 @@ class Liveness:
     def heard(self, src: int) -> None:
         if src in self._last_heard:
             self._last_heard[src] = time.monotonic()
+
+    def forget(self, peer: int) -> None:
+        """``peer`` said goodbye: its silence is no sign of a frozen process from now on."""
+        if peer in self._last_heard:
+            self._last_heard[peer] = math.inf  # (the dict keeps its size: silent() iterates it)
 
     def silent(self) -> PeerError | None:
         """The error for the first peer not heard of within ``timeout_s``, if any."""

@@ -18,9 +18,20 @@ any frame is read; :func:`decode` accepts only the classes below. Rank 0 is the 
                                                       others go on: ``successor`` coordinates
                                                       from now on (sent after its last plan)
 
-An empty frame is the transport's goodbye (the peer shuts down on purpose), not a message. Errors
-travel as (class name, text) and are rebuilt from the closed table
-:data:`ringflow.errors.TRAVELLING`.
+Point to point (:mod:`ringflow.p2p`), between the two ranks involved only, handled on the
+receiver's transport thread without the engine's lock::
+
+    sender -> receiver : P2PData(tag, seq, dtype, shape,   one chunk (at most p2p.CHUNK_BYTES of
+                                 offset, data, tracked,    data) of message ``seq`` of the sender;
+                                 error)                    every chunk carries the whole header
+    receiver -> sender : P2PReply(tag, seq, error, text)   message ``seq`` was received (error
+                                                           empty) or refused (a MismatchError)
+
+P2PData and P2PReply frames are the pickled tuples of their fields behind a kind byte, and
+P2PData carries its array out of band (after the header, 16-byte aligned; see :func:`encode`),
+so that the data is copied once on each side. An empty frame is the transport's goodbye (the
+peer shuts down on purpose), not a message. Errors travel as (class name, text) and are rebuilt
+from the closed table :data:`ringflow.errors.TRAVELLING`.
 """
 
 from __future__ import annotations
@@ -29,10 +40,12 @@ import dataclasses
 import pickle
 from typing import Any
 
+import numpy as np
+
 from .errors import ProtocolError, RingflowError, from_wire
 
-__all__ = ["Abort", "Fatal", "Handover", "Heartbeat", "Message", "Plan", "Submit", "decode",
-           "encode"]
+__all__ = ["Abort", "Fatal", "Handover", "Heartbeat", "Message", "P2PData", "P2PReply", "Plan",
+           "Submit", "decode", "encode"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,25 +97,85 @@ class Handover:
     next_set_id: int
 
 
-Message = Submit | Plan | Abort | Fatal | Heartbeat | Handover
-_KINDS = (Submit, Plan, Abort, Fatal, Heartbeat, Handover)
+# point to point ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class P2PData:
+    """One chunk of a point-to-point message (see :mod:`ringflow.p2p`)."""
+
+    tag: int | tuple[int, int]  # the user's tag, or (tag, seq) of a forward message: a gradient
+    seq: int  # the sender's message number (one counter for all its messages)
+    dtype: str  # a name of ops.DTYPES; "" with ``error``
+    shape: tuple[int, ...]
+    offset: int  # of ``data`` in the message's bytes; chunks come in order
+    data: Any  # numpy uint8 array: bytes offset .. offset + data.size of the message
+    tracked: bool = False  # the sender's adapter tracks it for gradients (it will want one)
+    error: str = ""  # the sender could not send (a TensorError's text): no data follows
+
+
+@dataclasses.dataclass(frozen=True)
+class P2PReply:
+    """The receiver's answer to message ``seq``: received in full, or refused with an error."""
+
+    tag: int | tuple[int, int]
+    seq: int
+    error: str  # "" or a class name of ringflow.errors.TRAVELLING (MismatchError)
+    text: str
+
+
+Message = Submit | Plan | Abort | Fatal | Heartbeat | Handover | P2PData | P2PReply
+_KINDS = (Submit, Plan, Abort, Fatal, Heartbeat, Handover, P2PData, P2PReply)
 _HEARTBEAT = pickle.dumps(Heartbeat(), protocol=5)
 
 
-def encode(message: Message) -> bytes:
+# Point-to-point frames are not pickled dataclasses (30 us to pickle one with its array, 7 us a
+# reply; a tuple of their fields takes 2): the first byte, never the first byte of a pickle,
+# says which; then the pickled tuple of the fields. A P2PData frame carries its array out of
+# band, so that neither side copies it through pickle: ``_P2P_DATA``, the header's length (4
+# bytes, big-endian), the pickled fields but ``data``, zeros up to a multiple of 16 bytes, the
+# data. The receiver's array is a view of the frame, as aligned as the frame itself.
+_P2P_DATA = b"\x01"
+_P2P_REPLY = b"\x02"
+_ALIGN = 16
+
+
+def _data_offset(header: int) -> int:
+    return -(-(5 + header) // _ALIGN) * _ALIGN
+
+
+def encode(message: Message) -> bytes | bytearray:
     if isinstance(message, Heartbeat):
         return _HEARTBEAT
+    if isinstance(message, P2PData):
+        m = message
+        header = pickle.dumps((m.tag, m.seq, m.dtype, tuple(m.shape), m.offset, m.tracked,
+                               m.error), protocol=5)
+        pad = bytes(_data_offset(len(header)) - 5 - len(header))
+        head = bytearray(_P2P_DATA + len(header).to_bytes(4, "big") + header + pad)
+        return head + memoryview(m.data)  # the one copy of the data on the sending side
+    if isinstance(message, P2PReply):
+        r = message
+        return _P2P_REPLY + pickle.dumps((r.tag, r.seq, r.error, r.text), protocol=5)
     return pickle.dumps(message, protocol=5)
 
 
-def decode(payload: bytes) -> Message:
+def decode(payload: bytes | bytearray) -> Message:
     """The message in ``payload`` (from an authenticated peer).
 
     Raises:
         ProtocolError: it is not one of the protocol's messages.
     """
     try:
-        message = pickle.loads(payload)
+        kind = payload[:1]
+        if kind == _P2P_DATA:
+            view = memoryview(payload)
+            header = int.from_bytes(view[1:5], "big")
+            tag, seq, dtype, shape, offset, tracked, error = pickle.loads(view[5:5 + header])
+            data = np.frombuffer(view[_data_offset(header):], np.uint8)
+            message = P2PData(tag, seq, dtype, shape, offset, data, tracked, error)
+        elif kind == _P2P_REPLY:
+            message = P2PReply(*pickle.loads(memoryview(payload)[1:]))
+        else:
+            message = pickle.loads(payload)
     except Exception as exc:
         raise ProtocolError(f"a control message could not be decoded: {exc!r}") from exc
     if type(message) not in _KINDS:

@@ -28,6 +28,8 @@ Every collective works eagerly and inside ``tf.function`` and is differentiable 
 - ``broadcast_object``/``allgather_object`` default to a fixed name rather than the object's
   type name, so a non-root rank may pass ``None``.
 - ``size_op``/``rank_op``/``local_*_op`` are constants: ringflow jobs do not resize.
+- Point to point (not in Horovod): ``send`` / ``recv``, eagerly and in ``tf.function``,
+  differentiable (see :mod:`ringflow.tensorflow.p2p`); ``isend`` / ``irecv`` eagerly.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ from .mpi_ops import (
     scatter,
     size_op,
 )
+from .p2p import irecv, isend, recv, send  # point to point (differentiable send/recv)
 from .sync_batch_norm import SyncBatchNormalization
 
 _plain = tf.autograph.experimental.do_not_convert
@@ -169,6 +172,8 @@ __all__ = [
     "start_timeline",
     "stop_timeline",
 ]
+# point to point
+__all__ += ["irecv", "isend", "recv", "send"]
 
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,

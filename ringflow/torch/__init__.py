@@ -41,6 +41,9 @@ Differences from Horovod 0.28 (each one deliberate):
   torch's ``convert_sync_batchnorm``; ``DistributedSampler(pad=False)`` shards without
   repeating samples. ``import ringflow.torch.auto`` (or ``ringflow-run --auto``) runs an
   unchanged single-process script data-parallel.
+- Point to point (not in Horovod): ``send`` / ``recv`` (differentiable: ``send`` returns a token
+  to backpropagate through, the receiver's backward sends the gradient back; see
+  :mod:`ringflow.torch.p2p`) and ``isend`` / ``irecv`` (torch.distributed's ``Work``).
 - ``elastic`` (Horovod's elastic training) is not provided: ringflow jobs do not resize.
   ``HostsUpdatedInterrupt`` exists for code that catches it and is never raised.
 
@@ -133,6 +136,7 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer, OptimizerMisuseError
+from .p2p import P2PWork, irecv, isend, recv, send  # point to point (differentiable send/recv)
 from .sampler import DistributedSampler
 from .sync_batch_norm import SyncBatchNorm
 
@@ -216,3 +220,5 @@ __all__ = [
     "stop_timeline",
     "synchronize",
 ]
+# point to point
+__all__ += ["P2PWork", "irecv", "isend", "recv", "send"]

@@ -183,7 +183,9 @@ class _Peer:
                             f"rank {self.rank} sent a control frame of {size} bytes "
                             f"(limit {MAX_CTRL_BYTES})"
                         )
-                    payload = bytes(wire.recv_exact(sock, size))
+                    # A bytearray, handed on as it is: a copy to bytes would cost a pass over
+                    # every large point-to-point chunk (ringflow.p2p).
+                    payload = wire.recv_exact(sock, size)
                     if payload:
                         self.owner._deliver_ctrl(self.rank, payload)
                     else:
@@ -283,7 +285,7 @@ class TcpTransport(Transport):
         self._timeout = timeout
         self._ctrl_handler: Callable[[int, bytes], None] | None = None
         self._fail_handler: Callable[[int, BaseException], None] | None = None
-        self._early: list[tuple[int, bytes]] = []
+        self._early: list[tuple[int, bytes | bytearray]] = []
         self._handler_lock = threading.Lock()
         self._peers = {r: _Peer(self, r, s) for r, s in socks.items()}
 
@@ -332,7 +334,7 @@ class TcpTransport(Transport):
             if peer is not None and peer.error is not None:
                 raise peer.error
 
-    def _deliver_ctrl(self, src: int, payload: bytes) -> None:
+    def _deliver_ctrl(self, src: int, payload: bytes | bytearray) -> None:
         with self._handler_lock:
             handler = self._ctrl_handler
             if handler is None:

@@ -95,3 +95,28 @@ def test_invalid_raises_its_reason_when_converted() -> None:
 def test_every_differentiable_collective_has_one_rule() -> None:
     assert set(kit.GRADIENTS) == {"allreduce", "allgather", "broadcast", "alltoall",
                                   "reducescatter"}
+
+
+class _P2P:
+    """Records what the point-to-point rules ask of a framework."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def send(self, x: object, dst: int, tag: object) -> None:
+        self.calls.append(("send", x, dst, tag))
+
+    def recv(self, src: int, tag: object, like: object) -> object:
+        self.calls.append(("recv", src, tag, like))
+        return "gradient"
+
+
+def test_point_to_point_gradients_travel_back_on_the_forward_message_tag() -> None:
+    ops = _P2P()
+    like = ((2, 3), "float64")
+    dx = kit.P2P_GRADIENTS["send"](ops, ["dtoken"], kit.P2PSpec("send", 2, 7, 41, like))
+    assert dx == ["gradient"] and ops.calls == [("recv", 2, (7, 41), like)]
+    ops.calls.clear()
+    assert kit.P2P_GRADIENTS["recv"](ops, ["dy"], kit.P2PSpec("recv", 0, 7, 41)) == []
+    assert ops.calls == [("send", "dy", 0, (7, 41))]
+    assert kit.grad_tag(7, 41) != 7  # a gradient tag is never a user's (an int)

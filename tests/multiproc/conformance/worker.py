@@ -454,7 +454,147 @@ def _digest(torch: Any, opt: Any) -> str:
     return "\n".join(parts)
 
 
+# point to point ----------------------------------------------------------------------------------
+def _recv(fw: Any, src: int, tag: int, **kwargs: Any) -> Any:
+    """The adapter's recv with numpy ``dtype=`` turned into the framework's dtype."""
+    if "dtype" in kwargs:
+        dtype = np.dtype(kwargs["dtype"]).name
+        kwargs["dtype"] = (getattr(fw.torch, dtype) if isinstance(fw, Torch)
+                           else fw.tf.as_dtype(dtype))
+    return fw.hvd.recv(src, tag=tag, **kwargs)
+
+
+def ring_exchange(fw: Any, a: Any, tag: int) -> Any:
+    """Send ``a`` to the next rank and receive the previous rank's: even ranks send first, odd
+    ranks receive first (a send waits for its receive). Returns ``2 * received + token``."""
+    hvd, r, n = fw.hvd, ringflow.rank(), ringflow.size()
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    if r % 2 == 0:
+        token = hvd.send(a, nxt, tag=tag)
+        b = _recv(fw, prv, tag, dtype=np.float64)
+    else:
+        b = _recv(fw, prv, tag, dtype=np.float64)
+        token = hvd.send(a, nxt, tag=tag)
+    return b * 2 + token
+
+
+def point_to_point(fw: Any) -> None:
+    """A differentiable ring exchange in closed form; a mismatch fails both ranks; the
+    asynchronous forms; the next operation works."""
+    hvd, r, n = fw.hvd, ringflow.rank(), ringflow.size()
+    prv = (r - 1) % n
+    x = np.arange(6.0).reshape(2, 3) + 10 * r
+    got = fw.call(lambda a: ring_exchange(fw, a, 1), x)
+    equal("p2p ring: values", got, 2 * (np.arange(6.0).reshape(2, 3) + 10 * prv))
+    (g,) = fw.grad(lambda a: ring_exchange(fw, a, 2), [x], r + 1.0)
+    # rank r's tensor went to rank r+1, whose loss weighs it 2 * (r + 2)
+    equal("p2p ring: gradient comes back from the receiver", g,
+          np.full((2, 3), 2.0 * ((r + 1) % n + 1)))
+    if r in (0, 1):  # a size mismatch fails the send and the receive
+        if r == 0:
+            expect_failure(fw, "p2p mismatch (sender)", ("MismatchError",),
+                           "rank 0 sent 5 elements of float64 (shape (5,)), rank 1 expected 4",
+                           lambda t: hvd.send(t, 1, tag=3), np.ones(5))
+            fw.call(lambda t: hvd.send(t, 1, tag=3), np.arange(4.0))
+        else:
+            expect_failure(fw, "p2p mismatch (receiver)", ("MismatchError",),
+                           "rank 0 sent 5 elements of float64 (shape (5,)), rank 1 expected 4",
+                           lambda t: _recv(fw, 0, 3, shape=(4,), dtype=np.float64) + t,
+                           np.zeros(4))
+            got = fw.call(lambda t: _recv(fw, 0, 3, shape=(4,), dtype=np.float64) + t,
+                          np.zeros(4))
+            equal("p2p: the next message after a mismatch", got, np.arange(4.0))
+    for name in ("bool", "uint8", "int8", "uint16", "int16", "int32", "int64", "float16",
+                 "bfloat16", "float32", "float64"):  # every dtype both frameworks move
+        def exchange(a: Any, name: str = name) -> Any:
+            dtype = getattr(fw.torch, name) if isinstance(fw, Torch) else fw.tf.as_dtype(name)
+            a = a.to(dtype) if isinstance(fw, Torch) else fw.tf.cast(a, dtype)
+            if r % 2 == 0:
+                hvd.send(a, (r + 1) % n, tag=5)
+                b = hvd.recv(prv, tag=5, dtype=dtype)
+            else:
+                b = hvd.recv(prv, tag=5, dtype=dtype)
+                hvd.send(a, (r + 1) % n, tag=5)
+            return b.to(fw.torch.int64) if isinstance(fw, Torch) else fw.tf.cast(b, fw.tf.int64)
+
+        got = fw.call(exchange, (np.arange(7) * 3 + r) % 2 if name == "bool" else
+                      np.arange(7) * 3 + r)
+        want = (np.arange(7) * 3 + prv) % 2 if name == "bool" else np.arange(7) * 3 + prv
+        equal(f"p2p ring: {name}", got, want)
+    if not fw.graph:  # handles (torch.distributed's Work): is_completed(), wait()
+        work = hvd.isend(fw.t(np.full(3, r, np.int32)), (r + 1) % n, tag=4)
+        got = hvd.irecv(prv, tag=4).wait()
+        work.wait()
+        check("p2p isend: is_completed after wait", work.is_completed())
+        equal("p2p irecv", fw.np(got), np.full(3, prv, np.int32))
+    still_works(fw, "p2p")
+
+
+def model_parallel(fw: Any) -> None:
+    """A pipeline over every rank (stage k on rank k, activations sent forward, gradients back):
+    each rank's parameter gradients equal those of the whole model on one process."""
+    r, n = ringflow.rank(), ringflow.size()
+    rng = np.random.default_rng(7)
+    widths = [4] + [3 + k % 2 for k in range(n)]
+    weights = [rng.standard_normal((widths[k], widths[k + 1])) * 0.5 for k in range(n)]
+    x = rng.standard_normal((5, 4))
+    y = rng.standard_normal((5, widths[-1]))
+    if MODE == "torch":
+        torch, hvd = fw.torch, fw.hvd
+        ws = [torch.tensor(w, requires_grad=True) for w in weights]
+        h = torch.tensor(x)
+        for w in ws:
+            h = torch.tanh(h @ w)
+        torch.mean((h - torch.tensor(y)) ** 2).backward()
+        want = ws[r].grad.numpy()
+        w = torch.tensor(weights[r], requires_grad=True)
+        h = torch.tensor(x) if r == 0 else hvd.recv(r - 1, tag=30)
+        check("model parallel: the received activation requires grad", r == 0 or h.requires_grad)
+        h = torch.tanh(h @ w)
+        if r == n - 1:
+            torch.mean((h - torch.tensor(y)) ** 2).backward()
+        else:
+            hvd.send(h, r + 1, tag=30).backward()
+        equal("model parallel: stage gradient equals the single-process one", w.grad.numpy(),
+              want, 1e-12)
+        return
+    tf, hvd = fw.tf, fw.hvd
+    ws = [tf.Variable(w) for w in weights]
+    with tf.GradientTape() as tape:
+        h = tf.constant(x)
+        for w in ws:
+            h = tf.tanh(h @ w)
+        loss = tf.reduce_mean((h - y) ** 2)
+    want = tape.gradient(loss, ws[r]).numpy()
+    w = tf.Variable(weights[r])
+
+    def step() -> Any:
+        with tf.GradientTape() as tape:
+            h = tf.constant(x) if r == 0 else hvd.recv(r - 1, tag=30, dtype=tf.float64)
+            h = tf.tanh(h @ w)
+            target = tf.reduce_mean((h - y) ** 2) if r == n - 1 else hvd.send(h, r + 1, tag=30)
+        return tape.gradient(target, w)
+
+    got = (tf.function(step) if fw.graph else step)()
+    equal("model parallel: stage gradient equals the single-process one", got.numpy(), want,
+          1e-12)
+
+
 # cross-framework ---------------------------------------------------------------------------------
+def cross_point_to_point() -> None:
+    """The ring exchange's forward values and gradients are equal in torch and TensorFlow."""
+    tfw, thw = TF(graph=False), Torch()
+    r = ringflow.rank()
+    x = np.linspace(-1, 1, 6).reshape(3, 2) + r
+    fwd_t = thw.call(lambda a: ring_exchange(thw, a, 40), x)
+    fwd_f = tfw.call(lambda a: ring_exchange(tfw, a, 40), x)
+    equal("send/recv: forward torch == tf", fwd_t, fwd_f)
+    (gt,) = thw.grad(lambda a: ring_exchange(thw, a, 41), [x], r + 1.0)
+    (gf,) = tfw.grad(lambda a: ring_exchange(tfw, a, 41), [x], r + 1.0)
+    equal("send/recv: gradient torch == tf", gt, gf)
+    check("send/recv: gradient is not zero", np.all(gt != 0), gt)
+
+
 def cross() -> None:
     """Forward and gradients of every differentiable collective, equal in torch and TF."""
     tfw, thw = TF(graph=False), Torch()
@@ -522,6 +662,7 @@ def main() -> None:
     r = ringflow.rank()
     if fw is None:
         section("cross", cross)
+        section("cross point to point", cross_point_to_point)
     else:
         section("errors", lambda: errors_are_horovods(fw))
         if MODE == "torch":
@@ -532,6 +673,8 @@ def main() -> None:
         section("reducescatter and scaling", lambda: reducescatter_rules(fw))
         section("adasum", lambda: adasum(fw))
         section("join", lambda: join(fw))
+        section("point to point", lambda: point_to_point(fw))
+        section("model parallel", lambda: model_parallel(fw))
     fw_hvd.shutdown()
     faulthandler.cancel_dump_traceback_later()
     if FAILURES:

@@ -27,6 +27,11 @@ class CheckFailed(Exception):
     pass
 
 
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise CheckFailed(what)
+
+
 def failure(fn: Any, *args: Any, **kwargs: Any) -> dict[str, str]:
     """Run ``fn``; return the class and text of the RingflowError it raises (it must raise)."""
     try:
