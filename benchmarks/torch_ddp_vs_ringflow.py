@@ -104,7 +104,8 @@ def _ddp_worker(rank: int, world: int, store: str, out_dir: str, model_name: str
     # DDP holds the process group: drop it so that destroy_process_group really ends gloo's
     # threads now, not during interpreter finalization (where gloo can abort the process).
     dist.barrier()
-    del step, model, optimizer
+    del step
+    model = optimizer = None  # the last references, dropped
     gc.collect()
     dist.destroy_process_group()
 

@@ -96,7 +96,9 @@ class Config:
     #: ``core``: at init(), pin this process (every thread it has, and so every thread it starts
     #: later) to its share of the CPUs it may use: local rank ``i`` of ``L`` gets the ``i``-th of
     #: ``L`` equal slices, or one CPU round-robin when there are more ranks than CPUs (what
-    #: ``mpirun --bind-to core`` does). ``none`` leaves placement to the OS scheduler.
+    #: ``mpirun --bind-to core`` does). ``none`` leaves placement to the OS scheduler. ``auto``
+    #: (ringflow-run's default, as mpirun binds by default): ``core`` where that is safe
+    #: (:func:`ringflow.topology.auto_binding`), else ``none``.
     bind_to: str = "none"
 
     def __post_init__(self) -> None:
@@ -109,7 +111,7 @@ class Config:
             "stall_shutdown_s": self.stall_shutdown_s >= 0,
             "deadlock_shutdown_s": self.deadlock_shutdown_s >= 0,
             "log_level": self.log_level.lower() in ("debug", "info", "warning", "error"),
-            "bind_to": self.bind_to in ("none", "core"),
+            "bind_to": self.bind_to in ("none", "core", "auto"),
         }
         for name, ok in checks.items():
             if not ok:

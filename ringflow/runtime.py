@@ -137,9 +137,12 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
                 store.set(f"{prefix}host/{info.rank}", info.hostname.encode())
                 info = topology.place(info, [store.get(f"{prefix}host/{r}").decode()
                                              for r in range(info.size)])
-        if config.bind_to == "core":
+        why_not = topology.auto_binding(info) if config.bind_to == "auto" else ""
+        if config.bind_to == "core" or (config.bind_to == "auto" and not why_not):
             cpus = topology.bind_to_cores(info)
             logging.getLogger("ringflow").info("rank %d bound to CPUs %s", info.rank, cpus)
+        elif why_not:
+            logging.getLogger("ringflow").info("rank %d not bound to CPUs: %s", info.rank, why_not)
         backends = connect(info, store, config, prefix, comm=comm)
         _info = info
         _client = Client(store) if store is not None else local_client(config.timeout_s)

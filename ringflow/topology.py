@@ -50,7 +50,8 @@ Binding. :func:`bind_to_cores` (``RINGFLOW_BIND_TO=core``, ``ringflow-run --bind
 each process to its slice of the CPUs it may use (:func:`cpu_share`), after the local values are
 known. On a 2-core machine it turned the 2-rank 4 KiB allreduce loop from bimodal (0.14 or
 0.35-0.50 ms for hundreds of ops at a time) into a steady 0.14 ms (benchmarks/RESULTS.md
-section 5).
+section 5). ``RINGFLOW_BIND_TO=auto``, ringflow-run's default, binds where
+:func:`auto_binding` finds it safe, as ``mpirun`` binds by default at small rank counts.
 
 Validation. Every value must be a non-negative integer, ``size >= 1``, ``rank < size``,
 ``local_rank < local_size <= size`` and ``cross_rank < cross_size <= size``; otherwise
@@ -69,8 +70,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from .errors import ConfigError
 
-__all__ = ["DETECTORS", "WORLD_SIZE_VARIABLES", "RankInfo", "bind_to_cores", "cpu_share",
-           "detect", "explicit", "place"]
+__all__ = ["DETECTORS", "WORLD_SIZE_VARIABLES", "RankInfo", "auto_binding", "bind_to_cores",
+           "cpu_share", "detect", "explicit", "place"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +388,24 @@ def cpu_share(local_rank: int, local_size: int, cpus: Iterable[int]) -> list[int
     if per == 0:
         return [ordered[local_rank % len(ordered)]]
     return ordered[local_rank * per:(local_rank + 1) * per]
+
+
+def auto_binding(info: RankInfo) -> str:
+    """Why ``bind_to=auto`` leaves this process where it is, or ``""`` when it pins it to its
+    :func:`cpu_share`: only on Linux, with several ranks on this host, each of which gets at
+    least one CPU of its own, and only when nothing has placed this process yet (its affinity is
+    every online CPU: no ``taskset``, cpuset, Slurm binding or ``mpirun --bind-to``)."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return "no sched_setaffinity on this platform"
+    if info.local_size < 2:
+        return "the only rank on its host"
+    mine = os.sched_getaffinity(0)
+    online = os.cpu_count() or len(mine)
+    if len(mine) < online:
+        return f"already placed on {len(mine)} of the {online} CPUs"
+    if info.local_size > len(mine):
+        return f"{info.local_size} ranks on this host share its {len(mine)} CPUs"
+    return ""
 
 
 def bind_to_cores(info: RankInfo) -> list[int]:

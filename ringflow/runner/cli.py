@@ -268,8 +268,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="fail a stalled tensor after S seconds; 0 never (default 600)")
     tune.add_argument("--log-level", type=str.lower, choices=list(_LOG_LEVELS),
                       help="log level of the workers' ringflow logger")
-    tune.add_argument("--bind-to", choices=("none", "core"),
-                      help="core: pin each rank to its slice of its host's CPUs (default none)")
+    tune.add_argument("--bind-to", choices=("none", "core", "auto"),
+                      help="core: pin each rank to its slice of its host's CPUs; auto (the "
+                           "default): core where every rank gets CPUs of its own and nothing "
+                           "placed the job yet")
     tune.add_argument("--transport", choices=("auto", "tcp", "shm", "mpi"),
                       help="RINGFLOW_TRANSPORT: auto (shared memory within hosts, TCP across), "
                            "tcp or shm; mpi needs mpirun (default auto)")
@@ -556,6 +558,7 @@ def _worker_env(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[
     from ..config import Config, read_horovod_env
 
     env = {**environ, **args.assignments, **worker_overrides(args)}
+    env.setdefault("RINGFLOW_BIND_TO", "auto")  # as mpirun binds by default (topology.py)
     with _config_messages() as messages:
         Config.from_env(env)  # bad tuning values fail here, before anything starts
     env.update(read_horovod_env(env).values)

@@ -116,9 +116,33 @@ def test_bind_to_core_pins_every_thread_of_each_rank_to_its_own_cpus(tmp_path):
     half = len(cpus) // 2
     for rank, mine in ((0, cpus[:half]), (1, cpus[half:2 * half])):
         assert f"[{rank}]:rank {rank} cpus {[tuple(mine)]}" in proc.stdout.splitlines(), proc.stdout
-    proc = launch("-np", "2", sys.executable, script(tmp_path, BOUND))  # default: not pinned
+    proc = launch("-np", "2", "--bind-to", "none", sys.executable, script(tmp_path, BOUND))
     assert proc.returncode == 0, proc.stderr
     assert f"[1]:rank 1 cpus {[tuple(cpus)]}" in proc.stdout.splitlines(), proc.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or len(os.sched_getaffinity(0)) < (os.cpu_count() or 0),
+                    reason="needs Linux, at least 2 CPUs, and no affinity set on the tests")
+def test_ringflow_run_binds_by_default_only_where_it_is_safe(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    half = len(cpus) // 2
+    proc = launch("-np", "2", sys.executable, script(tmp_path, BOUND))  # default: auto
+    assert proc.returncode == 0, proc.stderr
+    for rank, mine in ((0, cpus[:half]), (1, cpus[half:2 * half])):
+        assert f"[{rank}]:rank {rank} cpus {[tuple(mine)]}" in proc.stdout.splitlines(), proc.stdout
+    # More ranks than CPUs: nobody is pinned (two ranks would share one CPU).
+    n = len(cpus) + 1
+    proc = launch("-np", str(n), sys.executable, script(tmp_path, BOUND))
+    assert proc.returncode == 0, proc.stderr
+    assert f"[{n - 1}]:rank {n - 1} cpus {[tuple(cpus)]}" in proc.stdout.splitlines(), proc.stdout
+    # A job someone placed already (taskset, a cpuset, mpirun's binding) stays where it is.
+    placed = cpus[:-1] if len(cpus) > 2 else cpus[:1]
+    proc = subprocess.run(
+        ["taskset", "-c", ",".join(map(str, placed)), *LAUNCHER, "-np", "2", sys.executable,
+         script(tmp_path, BOUND)], capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    assert f"[0]:rank 0 cpus {[tuple(placed)]}" in proc.stdout.splitlines(), proc.stdout
 
 
 SHM_MODE = """

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -30,15 +30,18 @@ LAUNCHER_CHECK = (
 
 
 def lowest_python() -> str:
-    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
-    return spec.removeprefix(">=").strip()
+    found = re.search(r'^requires-python = ">=([0-9.]+)"', (ROOT / "pyproject.toml").read_text(),
+                      re.MULTILINE)
+    assert found, "pyproject.toml has no requires-python of the form '>=X.Y'"
+    return found.group(1)
 
 
 def interpreter(version: str) -> str | None:
     """A working ``python<version>``: on PATH (a pyenv shim there may refuse) or in pyenv."""
     pyenv = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python")))
     for candidate in [shutil.which(f"python{version}"), *reversed(pyenv)]:
-        if candidate and subprocess.run([candidate, "-c", ""], capture_output=True).returncode == 0:
+        if candidate and subprocess.run([candidate, "-c", ""],
+                                        capture_output=True).returncode == 0:
             return candidate
     return None
 
@@ -56,8 +59,9 @@ def dist(tmp_path_factory) -> Path:
     # A copy of the files git tracks (or would), so that the build writes nothing into the
     # checkout.
     src = tmp_path_factory.mktemp("src")
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           check=True).stdout.decode().split("\0")
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, check=True)
+    files = listed.stdout.decode().split("\0")
     for name in filter(None, files):
         if (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)

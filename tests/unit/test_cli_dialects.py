@@ -306,7 +306,8 @@ def test_unknown_flags_get_a_did_you_mean(capsys, flag, line):
     [
         (["-np", "x", "true"], "error: argument -np/--num-proc: invalid int value: 'x'"),
         (["-np", "2", "--bind-to", "socket", "true"],
-         "error: argument --bind-to: invalid choice: 'socket' (choose from 'none', 'core')"),
+         "error: argument --bind-to: invalid choice: 'socket' "
+         "(choose from 'none', 'core', 'auto')"),
         (["true"], "error: the following arguments are required: -np; e.g. ringflow-run -np 2 "
                    "python train.py"),
         (["-np", "2"], "error: no command given; e.g. ringflow-run -np 2 python train.py"),
@@ -452,6 +453,7 @@ def test_horovodruns_nested_config_file(tmp_path, job, capsys):
         "RINGFLOW_STALL_SHUTDOWN_S": "100.0",
         "RINGFLOW_TIMEOUT_S": "40.0",
         "RINGFLOW_LOG_LEVEL": "debug",
+        "RINGFLOW_BIND_TO": "auto",  # ringflow-run's default
     }
     key = "--config-file"
     err = capsys.readouterr().err.splitlines()

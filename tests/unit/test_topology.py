@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
 
+from ringflow import topology
 from ringflow.errors import ConfigError
 from ringflow.topology import RankInfo, detect, place
 
@@ -252,3 +254,17 @@ def test_cpu_share_slices_the_cpus_among_local_ranks(local_size, cpus, shares) -
     from ringflow.topology import cpu_share
 
     assert [cpu_share(r, local_size, cpus) for r in range(local_size)] == shares
+
+
+def test_auto_binding_only_where_every_rank_gets_cpus_nobody_placed(monkeypatch):
+    info = RankInfo(rank=0, size=2, local_rank=0, local_size=2, cross_rank=0, cross_size=1,
+                    hostname="a")
+    monkeypatch.setattr(topology.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert topology.auto_binding(info) == ""
+    assert topology.auto_binding(dataclasses.replace(info, local_size=5, size=5)) == (
+        "5 ranks on this host share its 4 CPUs")
+    assert topology.auto_binding(dataclasses.replace(info, local_size=1, size=1)) == (
+        "the only rank on its host")
+    monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: {2, 3})
+    assert topology.auto_binding(info) == "already placed on 2 of the 4 CPUs"
