@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import pickle
 import sys
@@ -42,6 +43,8 @@ from .machines import Machine as _Machine
 from .ssh import SshOptions
 
 __all__ = ["launcher", "run"]
+
+log = logging.getLogger(__name__)
 
 _KEY = "ringflow.run/"
 #: Set in a worker process of :func:`run`, so that a :func:`launcher`-decorated function that
@@ -199,7 +202,10 @@ def launcher(
       default ``RINGFLOW_SECRET_FILE``'s, else a fresh one for a job of one machine.
 
     Returns the results of this machine's ranks in rank order (MegEngine returns them by local
-    device, the same order). ``run_kwargs`` are :func:`run`'s (``timeout``, ``env``,
+    device, the same order). In a process that another launcher started as a rank of a job of
+    several (``ringflow-run -np 2 python script.py``, mpirun, srun, torchrun), it starts nothing:
+    it runs the function in this process, between ``init()`` and ``shutdown()``, and returns
+    ``[its result]``. ``run_kwargs`` are :func:`run`'s (``timeout``, ``env``,
     ``start_timeout``, ``output_dir``; ``hosts`` and ``ssh`` only for a job of one launcher, which
     then starts remote ranks over ssh). Inside the ranks the decorated name calls the plain
     function; :func:`ringflow.shutdown` follows it.
@@ -228,6 +234,8 @@ def launcher(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _IN_WORKER:
                 return func(*args, **kwargs)
+            if _under_a_launcher():
+                return [_in_place(func, args, kwargs, machine if count is not None else None)]
             here = machine if count is not None else dataclasses.replace(
                 machine, n=_default_count(),
                 world_size=world_size if world_size is not None else _default_count())
@@ -240,6 +248,31 @@ def launcher(
         return wrapper
 
     return decorate(fn) if fn is not None else decorate
+
+
+def _under_a_launcher() -> bool:
+    """Whether this process is already a rank of a job of several (ringflow-run, mpirun, srun,
+    torchrun started it): then the launcher starts nothing."""
+    from ..topology import detect
+
+    return detect().size > 1
+
+
+def _in_place(func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+              machine: Any) -> Any:
+    """The function in this process, a rank of the job another launcher started; its counts
+    are that launcher's (``ringflow-run -np 2 python megengine_script.py`` works)."""
+    import ringflow
+
+    ringflow.init()
+    try:
+        if machine is not None and machine.world_size != ringflow.size():
+            log.warning("launcher(world_size=%d) runs inside a job of %d processes started by "
+                        "another launcher; the job's size wins", machine.world_size,
+                        ringflow.size())
+        return func(*args, **kwargs)
+    finally:
+        ringflow.shutdown()
 
 
 def _default_count() -> int:

@@ -11,6 +11,7 @@ Scenarios:
 * ``pipeline``: a WORLD-stage model-parallel net over remote_send/remote_recv, three SGD steps;
   every rank also replays the whole model in one process and returns the largest difference of
   the loss and of each of its parameters' gradients (exact: 0.0).
+* ``mismatch``: rank 1 expects another shape than rank 0 sends; both report the error.
 * ``raise``: the last rank raises; the others wait in an allreduce.
 """
 
@@ -123,6 +124,22 @@ def pipeline() -> dict:
     return {"rank": r, "size": n, "diffs": diffs, "losses": losses}
 
 
+def mismatch() -> dict:
+    import torch
+
+    import ringflow.torch as hvd
+
+    r = hvd.rank()
+    try:
+        if r == 0:
+            hvd.remote_send(torch.arange(4.0), dest_rank=1)
+        elif r == 1:
+            hvd.remote_recv(0, shape=(5,), dtype="float32")
+        return {"rank": r, "error": None}
+    except ringflow.errors.RingflowError as exc:
+        return {"rank": r, "error": [type(exc).__name__, str(exc)]}
+
+
 def fail() -> dict:
     r, n = ringflow.rank(), ringflow.size()
     if r == n - 1:
@@ -132,7 +149,7 @@ def fail() -> dict:
 
 
 def main() -> None:
-    body = {"job": job, "pipeline": pipeline, "raise": fail}[SCENARIO]
+    body = {"job": job, "pipeline": pipeline, "mismatch": mismatch, "raise": fail}[SCENARIO]
     kwargs: dict = {"world_size": int(WORLD), "n_gpus": int(N), "rank_start": int(START),
                     "master_ip": MASTER, "port": int(PORT), "timeout": 240}
     for key, value in EXTRA.items():
