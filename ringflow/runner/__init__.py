@@ -3,7 +3,8 @@
 :mod:`.hosts` parses host lists and host files and assigns ranks; :mod:`.launch` starts and
 supervises the workers of one job (:func:`run_job`); :mod:`.ssh` and :mod:`.remote` start workers
 on other hosts; :mod:`.netif` picks the store's address; :mod:`.pyrun` is ``ringflow.run`` and
-``ringflow.launcher``; :mod:`.cli` is the command line, :mod:`.dialects` the horovodrun / torchrun
+``ringflow.launcher``, whose MegEngine-style launch across machines (the same program on each)
+is :mod:`.machines`; :mod:`.cli` is the command line, :mod:`.dialects` the horovodrun / torchrun
 / mpirun spellings it answers, :mod:`.configfile` its ``--config-file`` and :mod:`.check_build` its
 ``--check-build``.
 """

@@ -254,6 +254,9 @@ class LocalJob:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._threads: list[threading.Thread] = []
         self._tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in self._workers]
+        # Lists are indexed by position in ``workers``; a job of one machine of a multi-machine
+        # launch (:mod:`.machines`) runs ranks that do not start at 0.
+        self._position = {w.rank: i for i, w in enumerate(self._workers)}
         self._locks = {id(self._out): threading.Lock(), id(self._err): threading.Lock()}
         self._stop_signal: int | None = None
 
@@ -292,7 +295,7 @@ class LocalJob:
         for spec, proc in zip(self._workers, self._procs, strict=True):
             for stream, out, tail, name in (
                 (proc.stdout, self._out, None, "stdout"),
-                (proc.stderr, self._err, self._tails[spec.rank], "stderr"),
+                (proc.stderr, self._err, self._tails[self._position[spec.rank]], "stderr"),
             ):
                 target: IO[str] | IO[bytes] = files.get((spec.rank, name), out)
                 thread = threading.Thread(
@@ -334,7 +337,7 @@ class LocalJob:
         remote bootstrap over ssh. Either reads the secret from its stdin, which then stays open
         for the life of the job: its end-of-file (this process died) stops the worker and
         everything it started."""
-        if self._remote[spec.rank]:
+        if self._remote[self._position[spec.rank]]:
             what = "ssh"
             command = ssh_argv(spec.host, argv, env, self._ssh)
             env = None
@@ -460,7 +463,8 @@ class LocalJob:
                    if e is None]
         first, secondary = root_cause([exits[r] for r in failed], stopped, self._status)
         if first is not None:
-            first = dataclasses.replace(first, stderr_tail=tuple(self._tails[first.rank]))
+            first = dataclasses.replace(
+                first, stderr_tail=tuple(self._tails[self._position[first.rank]]))
             code = first.exit_status
         elif self._stop_signal is not None:
             code = 128 + self._stop_signal
@@ -470,11 +474,12 @@ class LocalJob:
             code = 0
         return JobResult(code, tuple(exits), first, self._stop_signal, timed_out, secondary)
 
-    def _exit(self, rank: int, code: int) -> WorkerExit:
-        remote = self._remote[rank]
+    def _exit(self, index: int, code: int) -> WorkerExit:
+        remote = self._remote[index]
         if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
             code = 128 - code
-        return WorkerExit(rank, self._workers[rank].host, code, (), remote)
+        spec = self._workers[index]
+        return WorkerExit(spec.rank, spec.host, code, (), remote)
 
     def _note_exits(self, exits: list[WorkerExit | None]) -> list[int]:
         """Record the workers that have exited since the last call; their ranks, in order."""

@@ -43,7 +43,8 @@ Differences from Horovod 0.28 (each one deliberate):
   unchanged single-process script data-parallel.
 - Point to point (not in Horovod): ``send`` / ``recv`` (differentiable: ``send`` returns a token
   to backpropagate through, the receiver's backward sends the gradient back; see
-  :mod:`ringflow.torch.p2p`) and ``isend`` / ``irecv`` (torch.distributed's ``Work``).
+  :mod:`ringflow.torch.p2p`) and ``isend`` / ``irecv`` (torch.distributed's ``Work``);
+  MegEngine's ``remote_send`` / ``remote_recv`` are ``send`` / ``recv`` with tag 0.
 - ``elastic`` (Horovod's elastic training) is not provided: ringflow jobs do not resize.
   ``HostsUpdatedInterrupt`` exists for code that catches it and is never raised.
 
@@ -136,7 +137,15 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer, OptimizerMisuseError
-from .p2p import P2PWork, irecv, isend, recv, send  # point to point (differentiable send/recv)
+from .p2p import (  # point to point (differentiable send/recv; MegEngine's names)
+    P2PWork,
+    irecv,
+    isend,
+    recv,
+    remote_recv,
+    remote_send,
+    send,
+)
 from .sampler import DistributedSampler
 from .sync_batch_norm import SyncBatchNorm
 
@@ -221,4 +230,4 @@ __all__ = [
     "synchronize",
 ]
 # point to point
-__all__ += ["P2PWork", "irecv", "isend", "recv", "send"]
+__all__ += ["P2PWork", "irecv", "isend", "recv", "remote_recv", "remote_send", "send"]

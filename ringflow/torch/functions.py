@@ -7,6 +7,7 @@ wait, so the engine fuses them. ``broadcast_object`` / ``allgather_object`` are 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,28 +21,53 @@ __all__ = [
 ]
 
 
-def broadcast_parameters(params: Any, root_rank: int,
+def broadcast_parameters(params: Any, root_rank: int = 0,
                          process_set: ProcessSet = global_process_set) -> None:
     """Overwrite ``params`` on every rank with ``root_rank``'s values, in place.
 
-    ``params``: a ``state_dict()`` / dict of tensors (broadcast in sorted-key order) or a list of
-    tensors or ``(name, tensor)`` pairs (``list(model.named_parameters())``), as in Horovod.
-    ``root_rank`` is a global rank.
+    ``params``: a ``state_dict()`` or any mapping of names to tensors (broadcast in sorted-key
+    order), or any iterable of tensors or of ``(name, tensor)`` pairs, taken in its order:
+    ``model.parameters()`` and ``model.named_parameters()`` (generators), a list or tuple, an
+    ``nn.ParameterList``; ``None`` entries are skipped. This is MegEngine's
+    ``dist.bcast_list_(net.parameters())`` (root 0) as well as Horovod's call; Horovod takes only
+    a dict or a list. ``root_rank`` is a global rank (default 0, MegEngine's root).
 
     Raises:
-        ValueError: ``params`` is neither a dict nor a list (a generator must be made a list).
+        ValueError: ``params`` is a single tensor (iterating it would broadcast its rows one by
+            one), not iterable, or holds something other than a tensor.
     """
-    if isinstance(params, dict):
-        items = sorted(params.items())
-    elif isinstance(params, list):
-        items = [p if isinstance(p, tuple) else (None, p) for p in params]
-    else:
-        raise ValueError(f"invalid params of type: {type(params)}; pass model.state_dict() or "
-                         "list(model.named_parameters())")
+    items = _named_tensors(params)
     handles = [broadcast_async_(p, root_rank, name, process_set=process_set)
                for name, p in items if p is not None]
     for handle in handles:
         synchronize(handle)
+
+
+def _named_tensors(params: Any) -> list[tuple[str | None, torch.Tensor | None]]:
+    if isinstance(params, torch.Tensor):
+        raise ValueError("broadcast_parameters got a single tensor; pass [tensor], "
+                         "model.parameters() or model.state_dict()")
+    if isinstance(params, (Mapping, torch.nn.ParameterDict)):
+        items = sorted(params.items())
+    else:
+        try:
+            entries = list(params)
+        except TypeError:
+            raise ValueError(f"invalid params of type: {type(params)}; pass model.state_dict(), "
+                             "model.parameters() or model.named_parameters()") from None
+        items = [p if isinstance(p, tuple) else (None, p) for p in entries]
+    for i, entry in enumerate(items):
+        if len(entry) != 2:
+            raise ValueError(f"broadcast_parameters: entry {i} of params is a {len(entry)}-tuple, "
+                             "not a tensor or a (name, tensor) pair")
+        name, tensor = entry
+        if not (name is None or isinstance(name, str)):
+            raise ValueError(f"broadcast_parameters: entry {i} of params is named {name!r}; "
+                             "names must be str")
+        if not (tensor is None or isinstance(tensor, torch.Tensor)):
+            raise ValueError(f"broadcast_parameters: entry {i} of params is a "
+                             f"{type(tensor).__name__}, not a tensor")
+    return items
 
 
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:

@@ -42,7 +42,7 @@ from ..errors import ShutdownError, TensorError
 from ..p2p import P2PHandle, start_recv, start_send
 from ._tensors import SUPPORTED, from_numpy, prepare, to_numpy
 
-__all__ = ["P2PWork", "irecv", "isend", "recv", "send"]
+__all__ = ["P2PWork", "irecv", "isend", "recv", "remote_recv", "remote_send", "send"]
 
 log = logging.getLogger(__name__)
 
@@ -213,3 +213,55 @@ def recv(src: int, tag: int = 0, out: torch.Tensor | None = None, shape: Any = N
         spec = kit.P2PSpec("recv", core.peer, core.tag, core.seq)  # type: ignore[arg-type]
         return _Recv.apply(spec, torch.zeros((), requires_grad=True), value)  # type: ignore
     return value
+
+
+# MegEngine's names ------------------------------------------------------------------------------
+def remote_send(tensor: torch.Tensor, dest_rank: int) -> torch.Tensor:
+    """MegEngine's ``F.distributed.remote_send(inp, dest_rank)``: :func:`send` with tag 0.
+
+    Returns the token (MegEngine returns None and its ``GradManager`` remembers the send):
+    ``token.backward()`` is MegEngine's ``gm.backward([])`` on a rank without a loss, and
+    ``(loss + token).backward()`` on a rank with one. The receiver learns the shape and dtype
+    from the message. A ``remote_send`` pairs with the next ``remote_recv`` (or ``recv(src)``) of
+    ``dest_rank``, in order.
+
+    Raises:
+        TensorError / HorovodInternalError: as :func:`send`.
+    """
+    return send(tensor, dest_rank, 0)
+
+
+def remote_recv(src_rank: int, shape: Any = None, dtype: Any = None,
+                device: Any = None) -> torch.Tensor:
+    """MegEngine's ``F.distributed.remote_recv(src_rank, shape, dtype, device)``: the next
+    tensor :func:`remote_send` sent from ``src_rank``, differentiable (its gradient goes back to
+    ``src_rank`` in the backward pass).
+
+    ``shape`` and ``dtype`` may be left out: they travel with the message (as in MegEngine 1.x,
+    which broadcasts them). When given, they are checked against what was sent; ``dtype`` may be
+    a ``torch.dtype``, a numpy dtype or a name (``"float32"``, what MegEngine's own example
+    sends through ``user_set``, or ``str(tensor.dtype)``). ``device`` moves the result there
+    (differentiably).
+
+    Raises:
+        TensorError: ``dtype`` names no dtype ringflow moves.
+        HorovodInternalError: the shape or dtype disagreed with the send (MismatchError, on
+            both ranks), a peer failed, or the job failed.
+    """
+    if shape is not None:
+        shape = tuple(int(d) for d in shape)
+    value = recv(src_rank, 0, shape=shape, dtype=_torch_dtype(dtype))
+    return value if device is None else value.to(device)
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if isinstance(named, torch.dtype):
+        return named
+    try:
+        return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype
+    except (TypeError, ValueError) as exc:
+        raise TensorError(f"remote_recv: dtype {dtype!r} names no dtype ringflow moves ({exc}); "
+                          "pass a torch.dtype, a numpy dtype or its name") from exc

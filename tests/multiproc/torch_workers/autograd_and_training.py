@@ -197,11 +197,25 @@ net0 = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
 for (k, a), b in zip(net.state_dict().items(), net0.state_dict().values(), strict=False):
     close(a.double(), b.double(), f"broadcast_parameters {k}")
 hvd.broadcast_parameters(list(net.named_parameters()), root_rank=n - 1)
-try:
-    hvd.broadcast_parameters(net.named_parameters(), root_rank=0)
-    check(False, "generator must raise")
-except ValueError:
-    check(True, "")
+# Any iterable (MegEngine's bcast_list_(net.parameters())): generators, a tuple, a ParameterList.
+for form in (lambda: net.parameters(), lambda: net.named_parameters(),
+             lambda: tuple(net.parameters()), lambda: nn.ParameterList(net.parameters())):
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(r)
+    hvd.broadcast_parameters(form(), root_rank=n - 1)
+    for p, b in zip(net.parameters(), net0.parameters(), strict=True):
+        close(p.detach().double(), b.detach().double() + (n - 1), "iterable broadcast")
+    with torch.no_grad():
+        for p in net.parameters():
+            p.sub_(n - 1)
+for bad, fragment in ((next(net.parameters()), "single tensor"), (3, "invalid params"),
+                      ([net[0]], "entry 0 of params is a Linear")):
+    try:
+        hvd.broadcast_parameters(bad, root_rank=0)
+        check(False, f"{fragment} must raise")
+    except ValueError as e:
+        check(fragment in str(e), f"broadcast_parameters message: {e}")
 before = [p.detach().clone() for p in net.parameters()]
 adam = torch.optim.Adam(net.parameters(), lr=0.001 * (r + 1), betas=(0.9, 0.99 - 0.01 * r),
                         weight_decay=0.1)
