@@ -98,6 +98,9 @@ class Config:
     #: ``L`` equal slices, or one CPU round-robin when there are more ranks than CPUs (what
     #: ``mpirun --bind-to core`` does). ``none`` leaves placement to the OS scheduler.
     bind_to: str = "none"
+    #: Faults to inject, for tests (``ringflow.fault``: rank, protocol point, action); empty:
+    #: none, and no cost.
+    fault: str = ""
 
     def __post_init__(self) -> None:
         checks = {

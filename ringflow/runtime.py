@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import failure
+from . import failure, fault
 from .client import Client, local_client
 from .config import Config
 from .errors import ConfigError, NotInitializedError
@@ -137,10 +137,13 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
                 store.set(f"{prefix}host/{info.rank}", info.hostname.encode())
                 info = topology.place(info, [store.get(f"{prefix}host/{r}").decode()
                                              for r in range(info.size)])
+        fault.arm(config.fault, info.rank)
         if config.bind_to == "core":
             cpus = topology.bind_to_cores(info)
             logging.getLogger("ringflow").info("rank %d bound to CPUs %s", info.rank, cpus)
         backends = connect(info, store, config, prefix, comm=comm)
+        if fault.ARMED:
+            fault.hit("init")
         _info = info
         _client = Client(store) if store is not None else local_client(config.timeout_s)
         _engine = Engine(info.rank, info.size, backends, config)
