@@ -3,7 +3,10 @@
 Setup: every rank binds a listener, publishes ``host:port`` under ``{prefix}tcp/{rank}`` in the
 rendezvous store, dials every lower rank and accepts every higher one. Each connection runs the
 HMAC handshake of :mod:`ringflow.wire` before anything is parsed; the dialer then sends its rank
-(8 bytes), checked against the ranks still expected.
+(8 bytes), checked against the ranks still expected. Handshakes run all at once
+(:class:`ringflow.wire.Acceptor`), each bounded by ``min(timeout_s, 10 s)``, so connections
+that never speak delay no peer (two idle ones used to keep a job from starting: handshakes were
+served one at a time, each with the full timeout).
 
 Frames: a 9-byte header ``(tag: u8, length: u64)`` then the payload. ``DATA`` frames carry the
 bytes of an ``isend``; the receiving reader thread puts them straight into the buffer of the next
@@ -50,6 +53,9 @@ log = logging.getLogger(__name__)
 _HDR = struct.Struct("!BQ")
 _DATA, _CTRL = 1, 2
 _RANK = struct.Struct("!Q")
+# The longest a connection to a data listener may take over its handshake and rank: peers answer
+# in milliseconds; this only bounds what a connection that never speaks holds.
+_HANDSHAKE_S = 10.0
 
 
 class _Work:
@@ -414,43 +420,42 @@ def create(
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((_bind_host(config, store), 0))
-    listener.listen(size)
+    listener.listen(max(size, 128))
     host, port = listener.getsockname()
     store.set(f"{prefix}tcp/{rank}", f"{host}:{port}".encode())  # type: ignore[attr-defined]
 
     socks: dict[int, socket.socket] = {}
     accepted: dict[int, socket.socket] = {}
     errors: list[BaseException] = []
+    expected = set(range(rank + 1, size))
+    all_in = threading.Event()
+    if not expected:
+        all_in.set()
+    throttle = wire.Throttle(log)
 
-    def accept_higher() -> None:
-        expected = set(range(rank + 1, size))
-        listener.settimeout(timeout)
-        while expected:
-            try:
-                conn, _ = listener.accept()
-            except OSError as exc:
-                errors.append(
-                    RingflowTimeoutError(
-                        f"rank {rank}: ranks {sorted(expected)} did not connect within "
-                        f"{timeout} s ({exc})"
-                    )
-                )
-                return
-            try:
-                _tune(conn)
-                wire.server_handshake(conn, secret, timeout)
-                (peer,) = _RANK.unpack(wire.recv_exact(conn, _RANK.size))
-                if peer not in expected:
-                    raise ProtocolError(f"a connection claimed rank {peer}, not expected here")
-            except RingflowError as exc:
-                log.warning("rank %d rejected a data connection: %s", rank, exc)
-                conn.close()
-                continue
-            expected.discard(peer)
-            accepted[peer] = conn
+    def rejected(addr: object, why: str) -> None:
+        throttle.log(logging.WARNING, "rank %d rejected a data connection from %s: %s",
+                     rank, addr, why)
 
-    acceptor = threading.Thread(target=accept_higher, name=f"ringflow-accept-{rank}", daemon=True)
-    acceptor.start()
+    def authenticated(conn: socket.socket, addr: object) -> None:
+        # The peer proved the secret and sends its rank right after: a short blocking read.
+        try:
+            conn.settimeout(min(timeout, _HANDSHAKE_S))
+            (peer,) = _RANK.unpack(wire.recv_exact(conn, _RANK.size))
+            if peer not in expected:
+                raise ProtocolError(f"a connection claimed rank {peer}, not expected here")
+        except (RingflowError, OSError) as exc:
+            rejected(addr, str(exc))
+            conn.close()
+            return
+        _tune(conn)
+        expected.discard(peer)
+        accepted[peer] = conn
+        if not expected:
+            all_in.set()
+
+    acceptor = wire.Acceptor(listener, secret, min(timeout, _HANDSHAKE_S), authenticated,
+                             rejected, name=f"ringflow-accept-{rank}", limit=4 * size + 16)
     try:
         for peer in range(rank):
             addr = store.get(f"{prefix}tcp/{peer}", timeout).decode()  # type: ignore[attr-defined]
@@ -460,9 +465,14 @@ def create(
             wire.client_handshake(conn, secret, timeout)
             conn.sendall(_RANK.pack(rank))
             socks[peer] = conn
-        acceptor.join()
+        if not all_in.wait(timeout):
+            errors.append(RingflowTimeoutError(
+                f"rank {rank}: ranks {sorted(expected)} did not connect within {timeout} s"))
     finally:
-        listener.close()
+        acceptor.close()  # closes the listener
+        if errors:
+            for s in accepted.values():
+                s.close()
     if errors:
         for s in socks.values():
             s.close()
