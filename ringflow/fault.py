@@ -135,7 +135,9 @@ def hit(point: str, nbytes: int = 0) -> None:
                 f.seen += 1
     if todo is None:
         return
-    log.warning("ringflow fault injection: rank %d, point %s: %s", todo.rank, point, todo.action)
+    # The wall-clock time lets a test measure how long the other ranks took to notice.
+    log.warning("ringflow fault injection at %.3f: rank %d, point %s: %s", time.time(),
+                todo.rank, point, todo.action)
     kind, _, arg = todo.action.partition(":")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

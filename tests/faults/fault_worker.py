@@ -9,8 +9,10 @@ compares the survivors' files.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,7 +25,8 @@ from ringflow.errors import RingflowError
 
 
 def error_of(exc: BaseException, start: float) -> dict[str, Any]:
-    return {"type": type(exc).__name__, "text": str(exc), "elapsed": time.monotonic() - start}
+    return {"type": type(exc).__name__, "text": str(exc), "elapsed": time.monotonic() - start,
+            "at": time.time()}
 
 
 def expected(n: int, length: int, dtype: Any = np.float32) -> np.ndarray:
@@ -54,9 +57,16 @@ def inflight(r: int, n: int, nbytes: str, count: str = "100") -> dict[str, Any]:
     rf.allreduce(np.ones(4, np.float32), name="warm")
     rf.barrier()
     start = time.monotonic()
-    handles = [rf.allreduce_async(contribution(r, length), name=f"t{i}", op=rf.Sum)
-               for i in range(int(count))]
-    out: dict[str, Any] = {"resolved": 0, "exact": 0, "errors": []}
+    out: dict[str, Any] = {"resolved": 0, "exact": 0, "errors": [], "at_call": 0}
+    handles = []
+    for i in range(int(count)):
+        try:
+            handles.append(rf.allreduce_async(contribution(r, length), name=f"t{i}", op=rf.Sum))
+        except RingflowError as exc:  # the job failed already: every later call raises
+            out["at_call"] += 1
+            out["resolved"] += 1
+            if not out["errors"]:
+                out["errors"].append(error_of(exc, start))
     want = expected(n, length)
     for h in handles:
         try:
@@ -110,6 +120,9 @@ SCENARIOS = {"allreduce": allreduce, "growing": growing, "inflight": inflight, "
 
 def main() -> None:
     scenario, outdir, *args = sys.argv[1:]
+    # A hung test: kill -USR1 writes every thread's stack to OUTDIR/stacks-<pid>.
+    stacks = open(Path(outdir) / f"stacks-{os.getpid()}", "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks)
     rf.init()
     r, n = rf.rank(), rf.size()
     result = {"rank": r, "pid": os.getpid(), **SCENARIOS[scenario](r, n, *args)}
@@ -117,6 +130,8 @@ def main() -> None:
     path.with_suffix(".tmp").write_text(json.dumps(result))
     path.with_suffix(".tmp").replace(path)
     rf.shutdown()
+    failed = result.get("error") or result.get("errors")
+    sys.exit(3 if failed else 0)  # the launcher then ends the job (a frozen rank too)
 
 
 if __name__ == "__main__":

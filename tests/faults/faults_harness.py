@@ -79,3 +79,25 @@ def same_text(results: dict[int, dict[str, Any]], key: str = "error") -> dict[st
     seen = {(res[key]["type"], res[key]["text"]) for res in results.values()}
     assert len(seen) == 1, f"ranks saw different errors: {seen}"
     return next(iter(results.values()))[key]
+
+
+def fault_time(stderr: str) -> float:
+    """When the injected fault struck (the hook logs it with the wall-clock time)."""
+    for line in stderr.splitlines():
+        if "ringflow fault injection at " in line:
+            return float(line.split("ringflow fault injection at ")[1].split(":")[0])
+    raise AssertionError(f"no fault was injected:\n{stderr[-3000:]}")
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (not zombies)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            out.append(pid)
+    return out
