@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from typing import Any, Protocol
 
 import numpy as np
@@ -54,7 +55,7 @@ from .algorithms.shm import ShmAllreduce, available
 from .devices.host import HOST
 from .errors import ConfigError, ShutdownError
 from .ops import BFLOAT16, ReduceOp
-from .transport.base import Link, NativeAllreduce, Subset, Transport
+from .transport.base import Link, NativeAllreduce, Subset, Transport, data_wait_s
 
 __all__ = ["AllreduceImpl", "Backends", "Hierarchical", "HostStaging", "Native", "Nccl", "Ring",
            "SharedMemory", "connect", "shared_memory"]
@@ -329,9 +330,11 @@ def shared_memory(rank: int, size: int, store: Any, config: Any, prefix: str = "
     # Barriers wait for this host's ranks only: another host's rank that finished and left is
     # not a reason to fail them.
     local = range(host * local_size, (host + 1) * local_size)
+    job = os.environ.get("RINGFLOW_JOB_ID", "")  # names the segments (ringflow-run's contract)
     shm = ShmAllreduce(local_rank, local_size, store, f"{prefix}host{host}/",
-                       float(config.timeout_s),
-                       lambda late: link.check_peers([local[r] for r in late]))
+                       data_wait_s(float(config.timeout_s)),
+                       lambda late: link.check_peers([local[r] for r in late]),
+                       job=job if job.isalnum() else "")
     if size > local_size:
         cross = Subset(link, list(range(local_rank, size, local_size)))
         return _over(link, shm, (Hierarchical(shm, cross),))

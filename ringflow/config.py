@@ -100,6 +100,9 @@ class Config:
     #: (ringflow-run's default, as mpirun binds by default): ``core`` where that is safe
     #: (:func:`ringflow.topology.auto_binding`), else ``none``.
     bind_to: str = "none"
+    #: Faults to inject, for tests (``ringflow.fault``: rank, protocol point, action); empty:
+    #: none, and no cost.
+    fault: str = ""
 
     def __post_init__(self) -> None:
         checks = {

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from . import errors
+from . import errors, fault
 from .backends import Backends
 from .collectives import collective
 from .config import Config
@@ -128,6 +128,10 @@ class Engine:
         self._ready: collections.deque[tuple[Response, list, bool, Any]] = collections.deque()
         self._fatal: BaseException | None = None
         self._failure: tuple[BaseException, bool] | None = None  # to act on: (error, report)
+        # Written by reader and heartbeat threads: the job's error as the coordinator announced
+        # it, and how each peer failed (dead, or silent past timeout_s).
+        self._verdict: BaseException | None = None
+        self._peer_errors: dict[int, BaseException] = {}
         # Once set, enqueue() fails at once with this error; once _closed, nothing new is
         # accepted or planned (both set under _lock, so nothing slips in behind the final drain).
         self._refuse: BaseException | None = None
@@ -204,6 +208,8 @@ class Engine:
 
     def shutdown(self) -> None:
         """Fail what is pending, stop the threads, and close the transport (with a goodbye)."""
+        if fault.ARMED:
+            fault.hit("shutdown")
         with self._control():
             if self._refuse is None:
                 self._refuse = ShutdownError("ringflow has been shut down; call init() again")
@@ -253,7 +259,14 @@ class Engine:
                 self.p2p.on_message(src, msg)  # between two ranks: no engine lock, no wake-up
                 return
             if isinstance(msg, (Abort, Fatal)):
-                self._inbox.put((Wake.MESSAGE, src, msg))  # the engine thread's business
+                error = msg.exception()
+                if isinstance(msg, Fatal):
+                    self._verdict = error
+                if isinstance(msg, Fatal) or self.coordinator is not None:
+                    # The job has failed: end this rank's data-plane wait now (the engine
+                    # thread may be blocked in one), then let the engine thread act on it.
+                    self.transport.abort(error)
+                self._inbox.put((Wake.MESSAGE, src, msg))
                 return
             with self._control():
                 if self._closed:
@@ -263,6 +276,8 @@ class Engine:
                 elif isinstance(msg, Handover):
                     self._take_over(msg)
                 elif self.coordinator is not None:
+                    if fault.ARMED:
+                        fault.hit("negotiate")
                     self.coordinator.submit(src, msg.requests, msg.bits, msg.data)
                     self._plan()
                 else:  # sent to this rank as the successor before its Handover arrived
@@ -294,6 +309,10 @@ class Engine:
         self.p2p.peer_failed(peer, error)
         if isinstance(error, ShutdownError):
             self._liveness.forget(peer)  # it said goodbye: not a frozen peer after timeout_s
+        else:
+            self._peer_errors.setdefault(peer, error)
+            if not self._closed:
+                self.transport.abort(error)  # a fatal condition: end the data plane's waits
         self._inbox.put((Wake.PEER, peer, error))
 
     # the engine thread -------------------------------------------------------------------------
@@ -387,6 +406,8 @@ class Engine:
             return
         self.stats["requests_sent"] += len(requests)
         self.stats["bits_sent"] += len(bits)
+        if fault.ARMED:
+            fault.hit("submit")
         if self.coordinator is not None:
             self.coordinator.submit(self.rank, requests, bits, data)
             self._plan()
@@ -442,7 +463,7 @@ class Engine:
     def _check_liveness(self) -> None:
         silent = self._liveness.silent()
         if silent is not None:
-            self._note_failure(silent)
+            self._note_failure(self._peer_errors.setdefault(*silent))
             return
         if self.coordinator is not None:
             warnings, fatal = self.coordinator.stalled(
@@ -464,24 +485,38 @@ class Engine:
         if report and self.size > 1:
             if self.coordinator is not None:
                 self._broadcast(Fatal.of(error))
+            elif self._verdict is not None:
+                error = self._verdict  # announced already
+            elif self._coordinator_failure() is not None:
+                # No verdict can come: every survivor names the coordinator alike.
+                error = self._coordinator_failure()
             else:
                 self._send(self.coord, Abort.of(error))
                 error = self._await_verdict(error)
+        self.transport.abort(error)
         self._fatal = error
         log.error("ringflow: %s", error)
         self._close(error)
         self.p2p.close(error)  # ... or the job, not when rank 0 leaves: it takes no part in it
 
+    def _coordinator_failure(self) -> BaseException | None:
+        """How the coordinator failed (it died, or froze past ``timeout_s``), if it did."""
+        return self._peer_errors.get(self.coord)
+
     def _await_verdict(self, error: BaseException) -> BaseException:
-        """Give rank 0 a moment to announce the job's error, so every rank reports one text."""
+        """Give rank 0 a moment to announce the job's error, so every rank reports one text; if
+        rank 0 itself is found dead or frozen meanwhile, its failure is the text."""
         deadline = time.monotonic() + 1.0
         verdict = error
         keep = []  # entries and a stop: _close() fails the entries and keeps the stop
         while (left := deadline - time.monotonic()) > 0:
-            try:
-                item = self._inbox.get(timeout=left)
-            except queue.Empty:
+            if self._verdict is not None or self._coordinator_failure() is not None:
+                verdict = self._verdict or self._coordinator_failure() or error
                 break
+            try:
+                item = self._inbox.get(timeout=min(left, 0.01))
+            except queue.Empty:
+                continue
             if item[0] is Wake.MESSAGE and isinstance(item[2], Fatal):
                 verdict = item[2].exception()
                 break
@@ -539,11 +574,16 @@ class Engine:
                 log.debug("rank 0: could not send %s to %d: %s", type(msg).__name__, dst, exc)
 
     def _beat(self) -> None:
-        """The liveness thread: a heartbeat to the other side, a tick for the engine thread."""
+        """The liveness thread: a heartbeat to the other side, the verdict on a silent peer
+        (here, since the engine thread may be blocked in a data-plane wait that only this
+        verdict ends), a tick for the engine thread."""
         if self.coordinator is not None:
             self._broadcast(Heartbeat())
         else:
             self._send(self.coord, Heartbeat())
+        silent = self._liveness.silent()
+        if silent is not None and silent[0] not in self._peer_errors and not self._closed:
+            self._on_peer_failure(*silent)
         self._inbox.put((Wake.TICK,))
 
     # plans -------------------------------------------------------------------------------------
@@ -552,6 +592,8 @@ class Engine:
 
     def _receive(self, plan: list[Response | CachedAllreduce]) -> None:
         """Take in a plan (every rank, in plan order): book-keeping now, execution in order."""
+        if fault.ARMED:
+            fault.hit("plan")
         queued = False
         for item in plan:
             result = None
@@ -602,7 +644,12 @@ class Engine:
                     for r, e in zip(resp.requests, entries, strict=True):
                         if e is not None:
                             self._timeline.begin(r.name, r.kind.upper(), fused=len(entries))
+            nbytes = sum(e.request.nbytes for e in entries if e is not None) if fault.ARMED else 0
+            if data_plane and fault.ARMED:
+                fault.hit("data_start", nbytes)
             results = self.executor.run(resp, entries) if data_plane else None
+            if data_plane and fault.ARMED:
+                fault.hit("data_end", nbytes)
             with self._control():
                 if self._closed:
                     return

@@ -28,6 +28,7 @@ __all__ = [
     "RankFailure",
     "RingflowError",
     "RingflowTimeoutError",
+    "SharedMemoryError",
     "ShutdownError",
     "StallError",
     "TensorError",
@@ -85,6 +86,10 @@ class PeerError(HorovodInternalError, ConnectionError):
     """A peer rank died, closed its connection, or could not be reached."""
 
 
+class SharedMemoryError(HorovodInternalError, MemoryError):
+    """Shared memory (``/dev/shm``) has no room for the segments the local ranks need."""
+
+
 class AuthenticationError(PeerError):
     """A connection did not prove knowledge of the job secret."""
 
@@ -113,8 +118,8 @@ class RankFailure(RingflowError, RuntimeError):
 #: looked up in (never ``getattr`` on this module). Add a class here to let it travel.
 TRAVELLING: dict[str, type[RingflowError]] = {cls.__name__: cls for cls in (
     AdasumError, AuthenticationError, ConfigError, HorovodInternalError, MismatchError,
-    PeerError, ProtocolError, RingflowError, RingflowTimeoutError, ShutdownError, StallError,
-    TensorError,
+    PeerError, ProtocolError, RingflowError, RingflowTimeoutError, SharedMemoryError,
+    ShutdownError, StallError, TensorError,
 )}
 
 

@@ -1,12 +1,15 @@
 """Liveness: heartbeats between every rank and rank 0, and the verdict on a silent peer.
 
-Rank 0 expects to hear from every worker, and every worker from rank 0, at least once every
-``timeout_s``: any control message counts, and a thread sends a
-:class:`~ringflow.messages.Heartbeat` every ``min(1 s, timeout_s / 4)`` so that an idle job
-stays heard. The same thread wakes the engine thread at that pace, which then checks
-:meth:`Liveness.silent` (and rank 0's stall inspector). A peer silent for longer than
-``timeout_s`` is frozen (SIGSTOP, a livelock, an overloaded host): the job fails with a
-PeerError naming it. A dead peer is found sooner, by its transport (a closed connection).
+Rank 0 expects to hear from every worker, and every worker from rank 0: any control message
+counts, and a thread sends a :class:`~ringflow.messages.Heartbeat` every ``interval`` =
+``min(1 s, timeout_s / 4)`` so that an idle job stays heard. A peer is frozen (SIGSTOP, a
+livelock, an overloaded host) when it has owed a heartbeat for longer than ``timeout_s``: when
+nothing came for ``timeout_s + interval``. The heartbeat thread itself checks
+(:meth:`Liveness.silent`) at every beat, so the verdict comes while the engine thread is blocked
+in a data-plane wait: between ``timeout_s`` and ``timeout_s + 2 interval`` (at most 2 s more)
+after the peer froze, never sooner. Its text is the same on every rank that watches that peer
+(for a frozen rank 0, every rank), so survivors that decide without rank 0 still agree. A dead
+peer is found sooner, by its transport (a closed connection).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import weakref
 from collections.abc import Callable, Iterable
 
 from .errors import PeerError
+from .transport.base import heartbeat_interval
 
 __all__ = ["Liveness"]
 
@@ -28,7 +32,7 @@ class Liveness:
     def __init__(self, rank: int, size: int, timeout_s: float) -> None:
         self.rank, self.size = rank, size
         self.timeout_s = timeout_s
-        self.interval = min(1.0, timeout_s / 4)
+        self.interval = heartbeat_interval(timeout_s)
         self._last_heard: dict[int, float] = {}
         self.follow(0)
         self._stop = threading.Event()
@@ -51,14 +55,15 @@ class Liveness:
         if peer in self._last_heard:
             self._last_heard[peer] = math.inf  # (the dict keeps its size: silent() iterates it)
 
-    def silent(self) -> PeerError | None:
-        """The error for the first peer not heard of within ``timeout_s``, if any."""
+    def silent(self) -> tuple[int, PeerError] | None:
+        """The first peer that has owed a heartbeat for longer than ``timeout_s``, and its error
+        (one text wherever it is found), if any."""
         now = time.monotonic()
-        for peer, heard in self._last_heard.items():
-            if now - heard > self.timeout_s:
-                return PeerError(
-                    f"rank {peer} has not responded for {now - heard:.1f} s: it is frozen or "
-                    "overloaded (RINGFLOW_TIMEOUT_S sets this limit)")
+        for peer, heard in list(self._last_heard.items()):
+            if now - heard > self.timeout_s + self.interval:
+                return peer, PeerError(
+                    f"rank {peer} has not responded for more than {self.timeout_s:g} s: it is "
+                    "frozen or overloaded (RINGFLOW_TIMEOUT_S sets this limit)")
         return None
 
     def start(self, owner: object, beat: Callable[[object], None], name: str) -> None:

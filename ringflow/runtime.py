@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import failure
+from . import failure, fault
 from .client import Client, local_client
 from .config import Config
 from .errors import ConfigError, NotInitializedError
@@ -137,6 +137,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
                 store.set(f"{prefix}host/{info.rank}", info.hostname.encode())
                 info = topology.place(info, [store.get(f"{prefix}host/{r}").decode()
                                              for r in range(info.size)])
+        fault.arm(config.fault, info.rank)
         why_not = topology.auto_binding(info) if config.bind_to == "auto" else ""
         if config.bind_to == "core" or (config.bind_to == "auto" and not why_not):
             cpus = topology.bind_to_cores(info)
@@ -144,6 +145,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
         elif why_not:
             logging.getLogger("ringflow").info("rank %d not bound to CPUs: %s", info.rank, why_not)
         backends = connect(info, store, config, prefix, comm=comm)
+        if fault.ARMED:
+            fault.hit("init")
         _info = info
         _client = Client(store) if store is not None else local_client(config.timeout_s)
         _engine = Engine(info.rank, info.size, backends, config)

@@ -52,6 +52,7 @@ import math
 
 import numpy as np
 
+from .. import fault
 from ..errors import TensorError
 from ..ops import ReduceOp
 from ..transport.base import Link
@@ -137,6 +138,8 @@ def allreduce(t: Link, buf: np.ndarray, op: ReduceOp, postscale: float = 1.0) ->
     bounds = even_split(flat.size, t.size)
     red.prescale_inplace(flat)
     reduce_scatter_ring(t, flat, bounds, red)
+    if fault.ARMED:
+        fault.hit("data_mid", flat.nbytes)
     allgather_ring(t, flat, bounds)
 
 

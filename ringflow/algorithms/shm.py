@@ -1,9 +1,26 @@
 """Shared-memory allreduce for the ranks of one host: :class:`ShmAllreduce`.
 
 Every local rank owns one flag line in ``/dev/shm`` and, on the copy path, one data segment,
-created with mode 0600 and **unlinked as soon as every rank has mapped them**, so nothing is left
-behind even when a rank is killed (the kernel frees the memory with the last mapping). The data
-segment holds two halves; successive allreduces alternate between them.
+created with mode 0600 and **unlinked as soon as every rank has mapped them** (the kernel frees
+the memory with the last mapping). The data segment holds two halves; successive allreduces
+alternate between them.
+
+**Space.** Each segment's memory is reserved when it is created (``posix_fallocate``): a file of
+``/dev/shm`` that is only truncated to its size gets its pages when they are first written, and
+a tmpfs that is full then (Docker's default ``/dev/shm`` is 64 MiB) kills the writer with
+SIGBUS. Every rank publishes whether its reservation succeeded (through the store for the flag
+lines, through the flag lines for the data segments) before any rank maps a peer's segment, so a
+shortfall is one :class:`~ringflow.errors.SharedMemoryError` on every local rank, with the same
+text: the size needed, what ``/dev/shm`` had free, and the fixes (a larger ``/dev/shm``, or
+``RINGFLOW_TRANSPORT=tcp``). Growing closes the old segments and waits for every rank to have
+done so before reserving the new ones, so the old and new never need room together.
+
+**Names left behind.** A rank killed between creating its segment and unlinking it (after
+every rank has mapped it) leaves the name. The survivors unlink every rank's names of a growth
+that failed, and of the current and next generation when they close; under ``ringflow-run`` the
+names start with ``rfj<job id>_`` and each worker's supervisor removes the job's names that are
+left when its worker exits (:mod:`ringflow.runner.supervisor`), which covers the ranks that
+were killed too.
 
 Allreduce of ``B`` bytes on ``n`` local ranks (rank ``r`` owns share ``r`` of ``even_split``)
 takes one of two paths, the same on every rank, chosen when the job starts.
@@ -76,21 +93,27 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import PeerError, RingflowTimeoutError
+from .. import fault
+from ..errors import PeerError, RingflowTimeoutError, SharedMemoryError
 from ..ops import ReduceOp, check_dtype
 from .buffers import chunk_elems, chunk_ranges, even_split
 from .local import reduce_parts
 
-__all__ = ["ShmAllreduce", "available"]
+__all__ = ["JOB_PREFIX", "ShmAllreduce", "available", "job_names"]
 
 log = logging.getLogger(__name__)
 
 _SHM_DIR = "/dev/shm"
+#: Names of a ``ringflow-run`` job start with this and its job id (RINGFLOW_JOB_ID), then ``_``;
+#: the supervisor (which imports nothing of ringflow) spells it out too.
+JOB_PREFIX = "rfj"
 _FLAG_BYTES = 64  # one cache line of flag words per rank: no false sharing between ranks
 # The words of a rank's flag line: barrier epoch, pid, the line's own address in that process
-# (what a peer reads to check that it may read this process's memory), and the addresses of
-# the current single-copy allreduce's input and output.
-_EPOCH, _PID, _SELF, _SRC, _OUT = range(5)
+# (what a peer reads to check that it may read this process's memory), the addresses of the
+# current single-copy allreduce's input and output, and the outcome of the last growth: its
+# generation (or minus the errno of a failed reservation) and /dev/shm's free and total bytes
+# when it failed.
+_EPOCH, _PID, _SELF, _SRC, _OUT, _GROWN, _FREE, _TOTAL = range(8)
 _ALIGN = 4096
 # A barrier polls without sleeping for this long before it naps: the shortest sleep on this
 # machine lasts ~80 us (timer slack), longer than a typical wait for a peer.
@@ -99,6 +122,33 @@ _SPIN_S = 200e-6
 
 def available() -> bool:
     return os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK)
+
+
+def job_names(job: str) -> list[str]:
+    """The paths in /dev/shm of the ringflow-run job ``job`` (its RINGFLOW_JOB_ID)."""
+    start = f"{JOB_PREFIX}{job}_"
+    try:
+        return [f"{_SHM_DIR}/{f}" for f in os.listdir(_SHM_DIR) if f.startswith(start)]
+    except OSError:
+        return []
+
+
+def _space() -> tuple[int, int]:
+    """(free, total) bytes of /dev/shm."""
+    try:
+        st = os.statvfs(_SHM_DIR)
+    except OSError:
+        return 0, 0
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 class _Iovec(ctypes.Structure):
@@ -139,7 +189,13 @@ class _Mapping:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:
+                    # Reserve the pages now: touching a page that a full tmpfs cannot back
+                    # later is a SIGBUS, not an error.
+                    os.posix_fallocate(fd, 0, size)
+                except OSError:
+                    os.unlink(path)
+                    raise
             self.map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -156,7 +212,7 @@ class ShmAllreduce:
 
     def __init__(
         self, rank: int, size: int, store: Any, prefix: str, timeout: float,
-        check_peers: Callable[[list[int]], None],
+        check_peers: Callable[[list[int]], None], job: str = "",
     ) -> None:
         self.rank = rank
         self.size = size
@@ -165,16 +221,19 @@ class ShmAllreduce:
         self._store = store
         self._key = f"{prefix}shm/"
         if rank == 0:
-            store.set(self._key + "name", f"rf{os.getpid()}_{secrets.token_hex(4)}".encode())
+            # Under ringflow-run the job id names the segments, so that what a killed job left
+            # can be found (the supervisor removes it); else this process's pid.
+            owner = f"{JOB_PREFIX}{job}" if job else f"rf{os.getpid()}"
+            store.set(self._key + "name", f"{owner}_{secrets.token_hex(4)}".encode())
         self._name = store.get(self._key + "name", timeout).decode()
         self._epoch = 0
         self._half = 0
         self._gen = 0
         self._capacity = 0  # bytes per half
         self._segs: list[_Mapping] = []
+        self._flags: list[_Mapping] = []
         self._words: list[np.ndarray] | None = None
-        flag = _Mapping(self._path("f", rank), _FLAG_BYTES, create=True)
-        self._flags = self._attach("f", _FLAG_BYTES, flag)
+        self._flags = self._attach("f", _FLAG_BYTES, _FLAG_BYTES)
         self._words = [np.frombuffer(f.map, dtype=np.int64) for f in self._flags]
         self._scratch = np.empty(0, np.uint8)
         self._packed = np.empty(0, np.uint8)
@@ -215,25 +274,72 @@ class ShmAllreduce:
     def _path(self, kind: str, rank: int) -> str:
         return f"{_SHM_DIR}/{self._name}_{kind}{self._gen}_{rank}"
 
-    def _sync(self, step: str) -> None:
-        """Wait for every local rank to reach ``step``: through the store until the flag words
-        exist, through the flags after."""
-        if self._words is None:
-            self._store.set(f"{self._key}{step}/{self.rank}", b"1")
-            self._store.wait([f"{self._key}{step}/{r}" for r in range(self.size)], self.timeout)
-        else:
-            self.barrier()
+    def _attach(self, kind: str, size: int, nbytes: int) -> list[_Mapping]:
+        """Create this rank's segment of ``size`` bytes (its memory reserved) for an allreduce of
+        ``nbytes``, agree with every local rank that all reservations succeeded, map every
+        rank's segment, then unlink this rank's name.
 
-    def _attach(self, kind: str, size: int, mine: _Mapping) -> list[_Mapping]:
-        """Map every rank's segment (``mine`` is this rank's), then unlink this rank's file."""
+        Raises:
+            SharedMemoryError: some rank could not reserve its segment (on every local rank,
+                with the same text).
+        """
+        gen = self._gen
+        mine: _Mapping | None = None
+        status = (gen, 0, 0)
         try:
-            self._sync(f"{kind}{self._gen}/created")
+            try:
+                mine = _Mapping(self._path(kind, self.rank), size, create=True)
+            except OSError as exc:
+                status = (-(exc.errno or 1), *_space())
+            if fault.ARMED and kind == "d":
+                fault.hit("shm_growth", size)  # this rank's new name exists, none is mapped
+            outcomes = self._agree(f"{kind}{gen}/created", status)
+            failed = [r for r, (got, _, _) in enumerate(outcomes) if got != gen]
+            if failed:
+                if mine is not None:
+                    mine.close()
+                raise self._shortfall(failed, outcomes, size, nbytes)
             maps = [mine if r == self.rank else _Mapping(self._path(kind, r), size, create=False)
                     for r in range(self.size)]
-            self._sync(f"{kind}{self._gen}/attached")
+            self._agree(f"{kind}{gen}/attached", None)
+        except BaseException:
+            # A peer may have died between creating its segment and unlinking it.
+            for r in range(self.size):
+                _unlink(self._path(kind, r))
+            raise
         finally:
-            os.unlink(self._path(kind, self.rank))  # mapped memory lives on; the name must not
+            _unlink(self._path(kind, self.rank))  # mapped memory lives on; the name must not
         return maps
+
+    def _agree(self, step: str, status: tuple[int, int, int] | None) -> list[tuple[int, int, int]]:
+        """Wait for every local rank to reach ``step``, each publishing ``status``: through the
+        store until the flag words exist, through the flags after. Every rank's status."""
+        if self._words is None:
+            text = ",".join(map(str, status or (0, 0, 0))).encode()
+            keys = [f"{self._key}{step}/{r}" for r in range(self.size)]
+            self._store.set(keys[self.rank], text)
+            self._store.wait(keys, self.timeout)
+            return [tuple(map(int, self._store.get(k, self.timeout).split(b",")))  # type: ignore[misc]
+                    for k in keys]
+        if status is not None:
+            self._words[self.rank][_GROWN:_TOTAL + 1] = status
+        self.barrier()
+        return [(int(w[_GROWN]), int(w[_FREE]), int(w[_TOTAL])) for w in self._words]
+
+    def _shortfall(self, failed: list[int], outcomes: list[tuple[int, int, int]], size: int,
+                   nbytes: int) -> SharedMemoryError:
+        """The error every local rank raises: made of what the first failing rank published."""
+        first = failed[0]
+        errno, free, total = outcomes[first]
+        what = (f"an allreduce of {_mib(nbytes)}" if nbytes > _FLAG_BYTES
+                else "their flag lines")
+        return SharedMemoryError(
+            f"shared memory in {_SHM_DIR} is too small: local rank {first} could not reserve "
+            f"{_mib(size)} ({os.strerror(-errno)}); the {self.size} ranks on this host need "
+            f"{_mib(self.size * size)} for {what}, and {_SHM_DIR} had {_mib(free)} free of "
+            f"{_mib(total)}. Give {_SHM_DIR} more room (docker run --shm-size=1g, or a larger "
+            f"tmpfs), or run without shared memory: RINGFLOW_TRANSPORT=tcp "
+            f"(ringflow-run --transport tcp)")
 
     def barrier(self) -> None:
         self._epoch += 1
@@ -271,11 +377,13 @@ class ShmAllreduce:
         if nbytes <= self._capacity:
             return
         capacity = max(-(-nbytes // _ALIGN) * _ALIGN, 2 * self._capacity)
-        for seg in self._segs:
-            seg.close()
+        if self._segs:
+            for seg in self._segs:
+                seg.close()
+            self._segs, self._capacity = [], 0
+            self.barrier()  # every rank has unmapped the old segments: their memory is free
         self._gen += 1
-        mine = _Mapping(self._path("d", self.rank), 2 * capacity, create=True)
-        self._segs = self._attach("d", 2 * capacity, mine)
+        self._segs = self._attach("d", 2 * capacity, nbytes)
         self._capacity = capacity
 
     def input_view(self, n: int, dtype: np.dtype) -> np.ndarray:
@@ -328,6 +436,8 @@ class ShmAllreduce:
             reduce_parts(parts, 0, b - a, out[a:b], op, postscale)
         if across is not None:
             across(out[lo:hi])
+        if fault.ARMED:
+            fault.hit("data_mid", src.nbytes)
         self.barrier()  # every share is reduced, in its rank's output
         for k, ((pid, _, addr), (a, b)) in enumerate(zip(lines, bounds, strict=True)):
             if k != self.rank and b > a:
@@ -375,6 +485,8 @@ class ShmAllreduce:
         reduce_parts(parts, lo, hi, share, op, postscale, out if mirrored else None)
         if across is not None:
             across(share[lo:hi])
+        if fault.ARMED:
+            fault.hit("data_mid", src.nbytes)
         self.barrier()
         in_place = out.ctypes.data == mine.ctypes.data  # this rank's share is already there
         for k, (a, b) in enumerate(bounds):
@@ -384,4 +496,8 @@ class ShmAllreduce:
     def close(self) -> None:
         for seg in self._segs + self._flags:
             seg.close()
-        self._segs = []
+        self._segs, self._flags = [], []
+        # Names a rank killed while creating its segments left (no-ops otherwise).
+        for r in range(self.size):
+            for kind in ("f0", f"d{self._gen}", f"d{self._gen + 1}"):
+                _unlink(f"{_SHM_DIR}/{self._name}_{kind}_{r}")

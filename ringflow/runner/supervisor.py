@@ -25,6 +25,11 @@ processes that stay in them, so each worker runs under this supervisor, which ou
 4. When the worker exits, whatever it left behind is stopped the same way (it would hold the
    job's output pipes open and outlive the job), and the supervisor exits with the worker's
    status: the same signal when a signal ended it (``128 + signal`` over ssh, see :mod:`.remote`).
+5. Before it exits it removes the job's names left in ``/dev/shm`` (``rfj<RINGFLOW_JOB_ID>_*``,
+   :mod:`ringflow.algorithms.shm`): a rank killed while it grew its shared-memory segments
+   leaves its name behind. Every name is unlinked once all local ranks have mapped it, so at
+   this point (the worker is gone, and with it the job or this rank's part in it) any that is
+   left is garbage.
 
 The launcher starts it with ``-I -S`` by path: it imports the standard library only, so it starts
 in ~20 ms rather than the ~0.3 s that importing ringflow (numpy) takes. Processes are found
@@ -45,7 +50,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["DEFAULT_GRACE_S", "PATH", "main", "read_secret_line", "supervise"]
+__all__ = ["DEFAULT_GRACE_S", "PATH", "main", "read_secret_line", "remove_shm_names",
+           "supervise"]
 
 #: Seconds between SIGTERM and SIGKILL (the launcher's ``DEFAULT_GRACE_S``).
 DEFAULT_GRACE_S = 5.0
@@ -55,6 +61,8 @@ _MAX_SECRET_LINE = 64 * 1024
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.05
+#: ringflow.algorithms.shm.JOB_PREFIX (this file imports nothing of ringflow).
+_SHM_JOB_PREFIX = "/dev/shm/rfj"
 
 
 def read_secret_line(fd: int = 0) -> bytes:
@@ -218,7 +226,23 @@ def supervise(
             break  # the launcher died and this process was re-parented
     # Whether the worker ended or is being stopped: nothing of it may outlive this process.
     worker.stop(grace)
+    remove_shm_names(env.get("RINGFLOW_JOB_ID", ""))
     return proc.returncode
+
+
+def remove_shm_names(job: str) -> list[str]:
+    """Unlink the shared-memory names of job ``job`` left in /dev/shm; the paths removed."""
+    if not job.isalnum():
+        return []
+    directory, _, start = f"{_SHM_JOB_PREFIX}{job}_".rpartition("/")
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if name.startswith(start):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"{directory}/{name}")
+                    removed.append(f"{directory}/{name}")
+    return removed
 
 
 def exit_like(code: int) -> None:

@@ -27,10 +27,25 @@ import numpy as np
 from ..ops import ReduceOp
 
 __all__ = ["MAX_CTRL_BYTES", "ControlChannel", "Link", "NativeAllreduce", "Subset", "Transport",
-           "Work", "recv", "send", "sendrecv"]
+           "Work", "data_wait_s", "heartbeat_interval", "recv", "send", "sendrecv"]
 
 #: The largest control message a transport must carry.
 MAX_CTRL_BYTES = 64 * 1024 * 1024
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """How often ranks send heartbeats (:mod:`ringflow.liveness`): ``min(1 s, timeout_s / 4)``."""
+    return min(1.0, timeout_s / 4)
+
+
+def data_wait_s(timeout_s: float) -> float:
+    """The longest one data-plane wait on a peer lasts: ``timeout_s`` plus two heartbeat
+    intervals and a second. A frozen rank is declared by the heartbeats of the rank that watches
+    it (rank 0, or every rank for rank 0) within ``timeout_s`` plus two intervals, and that
+    verdict aborts every rank's data plane (:meth:`ControlChannel.abort`); a data wait that
+    expired first would name the peer it waits for, which in a ring is often a healthy rank
+    blocked on the frozen one."""
+    return timeout_s + 2 * heartbeat_interval(timeout_s) + 1.0
 
 
 class Work(Protocol):
@@ -74,6 +89,11 @@ class ControlChannel(Protocol):
     def check_peers(self, ranks: Iterable[int] | None = None) -> None:
         """Raise the error of the first of ``ranks`` (default: every peer) that has gone; no
         I/O."""
+
+    def abort(self, error: BaseException) -> None:
+        """The job has failed with ``error``: every pending data-plane send and receive fails
+        with it now, and so does every later one and :meth:`check_peers` (control messages and
+        goodbyes still go through). Called from any thread."""
 
     def close(self, linger: float = 2.0) -> None:
         """Say goodbye to every peer, wait up to ``linger`` s for theirs, then close."""

@@ -113,6 +113,7 @@ class LoopbackWorld:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._closed: set[int] = set()
+        self._aborted: dict[int, BaseException] = {}  # rank -> its job's error (abort())
         self._mail = [_Mailbox() for _ in range(size)]
         # (src, dst) -> {ticket: payload}; tickets number messages of a pair from 0.
         self._queues: dict[tuple[int, int], dict[int, bytes]] = {}
@@ -163,6 +164,8 @@ class LoopbackWorld:
         # Called with the lock held.
         if self._error is not None:
             raise self._error
+        if rank in self._aborted:
+            raise self._aborted[rank]
         if rank in self._closed:
             raise PeerError(f"rank {rank}: the loopback transport was closed; create a new one")
 
@@ -236,10 +239,17 @@ class LoopbackWorld:
             # Under the world's lock, so that a goodbye of src cannot overtake it.
             self._mail[dst].put(src, payload)
 
+    def _abort_rank(self, rank: int, error: BaseException) -> None:
+        with self._cond:
+            self._aborted.setdefault(rank, error)
+            self._cond.notify_all()
+
     def _check_peers(self, rank: int, ranks: Iterable[int]) -> None:
         with self._cond:
             if self._error is not None:
                 raise self._error
+            if rank in self._aborted:
+                raise self._aborted[rank]
             for peer in ranks:
                 if peer != rank and peer in self._closed:
                     raise _goodbye(peer)
@@ -329,6 +339,10 @@ class LoopbackTransport(Transport):
         """Raise the goodbye of the first of ``ranks`` (default: every peer) that has closed, or
         the world's abort error; no waiting."""
         self.world._check_peers(self.rank, range(self.size) if ranks is None else ranks)
+
+    def abort(self, error: BaseException) -> None:
+        """See :meth:`ControlChannel.abort`: this rank's data-plane waits fail with ``error``."""
+        self.world._abort_rank(self.rank, error)
 
     def _delivery_loop(self) -> None:
         box = self._box

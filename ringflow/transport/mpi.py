@@ -80,7 +80,7 @@ from ..errors import (
     ShutdownError,
 )
 from ..ops import ReduceOp
-from .base import MAX_CTRL_BYTES, NativeAllreduce
+from .base import MAX_CTRL_BYTES, NativeAllreduce, data_wait_s
 
 __all__ = [
     "CTRL_TAG",
@@ -220,7 +220,7 @@ class _Work:
             return
         owner, mpi = self._owner, self._owner.mpi
         status = mpi.Status()
-        deadline = time.monotonic() + owner.timeout
+        deadline = time.monotonic() + data_wait_s(owner.timeout)
         gone_since: float | None = None
         spins, pause = 0, 0.0
         while True:
@@ -241,6 +241,9 @@ class _Work:
             if owner.closed:
                 self._abandon()
                 raise PeerError(f"{self._what}: the transport was closed")
+            if owner.aborted is not None:
+                self._abandon()
+                raise owner.aborted
             if now > deadline:
                 self._abandon()
                 who = "a peer's" if self._peer is None else f"rank {self._peer}'s"
@@ -280,6 +283,7 @@ class MpiTransport(NativeAllreduce):
         self.size = comm.Get_size()
         self.timeout = timeout
         self.closed = False
+        self.aborted: BaseException | None = None
         self._gone: dict[int, BaseException] = {}  # peers that said goodbye
         self._lock = threading.Lock()
         self._ctrl_sends: list[tuple[Any, bytes]] = []
@@ -359,11 +363,20 @@ class MpiTransport(NativeAllreduce):
 
     def check_peers(self, ranks: Iterable[int] | None = None) -> None:
         """Raise the error of the first of ``ranks`` (default: any peer) that has gone, if any
-        (cheap; no I/O). A failure of MPI itself (rank -1) counts for every rank."""
+        (cheap; no I/O). A failure of MPI itself (rank -1) counts for every rank; after
+        :meth:`abort`, the job's error."""
+        if self.aborted is not None:
+            raise self.aborted
         with self._lock:
             for rank, error in self._gone.items():
                 if ranks is None or rank == -1 or rank in ranks:
                     raise error
+
+    def abort(self, error: BaseException) -> None:
+        """See :meth:`ControlChannel.abort`: pending waits fail with ``error`` at their next
+        poll."""
+        if self.aborted is None:
+            self.aborted = error
 
     def _recv_loop(self) -> None:
         mpi = self.mpi

@@ -3,7 +3,10 @@
 Setup: every rank binds a listener, publishes ``host:port`` under ``{prefix}tcp/{rank}`` in the
 rendezvous store, dials every lower rank and accepts every higher one. Each connection runs the
 HMAC handshake of :mod:`ringflow.wire` before anything is parsed; the dialer then sends its rank
-(8 bytes), checked against the ranks still expected.
+(8 bytes), checked against the ranks still expected. Handshakes run all at once
+(:class:`ringflow.wire.Acceptor`), each bounded by ``min(timeout_s, 10 s)``, so connections
+that never speak delay no peer (two idle ones used to keep a job from starting: handshakes were
+served one at a time, each with the full timeout).
 
 Frames: a 9-byte header ``(tag: u8, length: u64)`` then the payload. ``DATA`` frames carry the
 bytes of an ``isend``; the receiving reader thread puts them straight into the buffer of the next
@@ -41,7 +44,7 @@ from ..errors import (
     RingflowTimeoutError,
     ShutdownError,
 )
-from .base import MAX_CTRL_BYTES, Transport
+from .base import MAX_CTRL_BYTES, Transport, data_wait_s
 
 __all__ = ["TcpTransport", "create"]
 
@@ -50,6 +53,9 @@ log = logging.getLogger(__name__)
 _HDR = struct.Struct("!BQ")
 _DATA, _CTRL = 1, 2
 _RANK = struct.Struct("!Q")
+# The longest a connection to a data listener may take over its handshake and rank: peers answer
+# in milliseconds; this only bounds what a connection that never speaks holds.
+_HANDSHAKE_S = 10.0
 
 
 class _Work:
@@ -63,11 +69,13 @@ class _Work:
         self._error: BaseException | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
+        if self._done.is_set():  # aborted already (TcpTransport.abort)
+            return
         self._error = error
         self._done.set()
 
     def wait(self) -> None:
-        if not self._done.wait(self._timeout):
+        if not self._done.wait(data_wait_s(self._timeout)):
             raise RingflowTimeoutError(
                 f"rank {self._peer.rank}'s part of the collective did not arrive within "
                 f"{self._timeout} s; it may be frozen (RINGFLOW_TIMEOUT_S sets the limit)"
@@ -125,9 +133,9 @@ class _Peer:
                     work.finish()
                 return
         # fail() takes _send_ready itself: call it only after leaving the block above.
-        error = PeerError(f"sending to rank {self.rank} failed: {failure}")
-        self.fail(error)
-        raise error from failure
+        log.debug("sending to rank %d failed: %s", self.rank, failure)
+        self.fail(lost(self.rank))
+        raise self.error from failure
 
     def _push(self, bufs: list[memoryview], flags: int) -> list[memoryview]:
         """Send as much of ``bufs`` as the socket takes; return what is left."""
@@ -155,7 +163,8 @@ class _Peer:
                 with self._send_lock:
                     self._push(bufs, 0)
             except OSError as exc:
-                self.fail(PeerError(f"sending to rank {self.rank} failed: {exc}"))
+                log.debug("sending to rank %d failed: %s", self.rank, exc)
+                self.fail(lost(self.rank))
                 work.finish(self.error)
                 return
             with self._send_ready:
@@ -192,6 +201,10 @@ class _Peer:
                         self.departed = True
                 elif tag == _DATA:
                     work = self._next_recv()
+                    if work is None and self.error is None:
+                        # The job has failed (abort): nobody takes this any more.
+                        _discard(sock, size)
+                        continue
                     if work is None:
                         return
                     buf = work.buf
@@ -203,7 +216,8 @@ class _Peer:
                         )
                     wire.recv_into_exact(sock, buf)
                     with self._lock:
-                        self._recvs.popleft()
+                        if self._recvs and self._recvs[0] is work:  # else: aborted meanwhile
+                            self._recvs.popleft()
                     work.finish()
                 else:
                     raise ProtocolError(f"rank {self.rank} sent a frame with unknown tag {tag}")
@@ -219,16 +233,32 @@ class _Peer:
                 return
             if self.owner.closed:
                 return
-            text = str(exc)
-            if "closed the connection after 0 of" in text:
-                text = "the connection was closed (the process exited or was killed)"
-            self.fail(PeerError(f"lost rank {self.rank}: {text}"))
+            if isinstance(exc, ProtocolError):
+                self.fail(PeerError(f"lost rank {self.rank}: {exc}"))
+            else:  # end of file or a reset, mid-frame or not: the same text on every rank
+                log.debug("lost rank %d: %s", self.rank, exc)
+                self.fail(lost(self.rank))
 
     def _next_recv(self) -> _Work | None:
         with self._lock:
-            while not self._recvs and self.error is None:
+            while not self._recvs and self.error is None and self.owner.aborted is None:
                 self._recv_posted.wait()
-            return self._recvs[0] if self.error is None else None
+            return self._recvs[0] if self.error is None and self._recvs else None
+
+    def abort(self, error: BaseException) -> None:
+        """Fail this peer's pending data-plane work with ``error`` (the peer stays usable for
+        control messages)."""
+        with self._lock:
+            recvs = list(self._recvs)
+            self._recvs.clear()
+            self._recv_posted.notify_all()
+        with self._send_ready:
+            sends = [w for _, w in self._sends]
+            self._sends.clear()
+            if self._pushing is not None:
+                sends.append(self._pushing)  # a write to a frozen peer may never end
+        for work in recvs + sends:
+            work.finish(error)
 
     # failure -----------------------------------------------------------------------------------
     def fail(self, error: BaseException) -> None:
@@ -273,6 +303,21 @@ class _Peer:
         self.sock.close()
 
 
+def lost(rank: int) -> PeerError:
+    """The error of a peer whose connection ended without a goodbye, however it was noticed (end
+    of file, a reset, a failed write): one text, so that every rank reports the same."""
+    return PeerError(f"lost rank {rank}: the connection was closed (the process exited or was "
+                     "killed)")
+
+
+def _discard(sock: socket.socket, size: int) -> None:
+    scratch = memoryview(bytearray(min(size, 1 << 20)))
+    while size:
+        n = min(size, scratch.nbytes)
+        wire.recv_into_exact(sock, scratch[:n])
+        size -= n
+
+
 class TcpTransport(Transport):
     """The ``tcp`` transport. See the module docstring for the protocol."""
 
@@ -282,6 +327,7 @@ class TcpTransport(Transport):
         self.rank = rank
         self.size = size
         self.closed = False
+        self.aborted: BaseException | None = None
         self._timeout = timeout
         self._ctrl_handler: Callable[[int, bytes], None] | None = None
         self._fail_handler: Callable[[int, BaseException], None] | None = None
@@ -290,12 +336,16 @@ class TcpTransport(Transport):
         self._peers = {r: _Peer(self, r, s) for r, s in socks.items()}
 
     def isend(self, buf: memoryview, dst: int) -> _Work:
+        if self.aborted is not None:
+            raise self.aborted
         peer = self._peer(dst)
         work = _Work(None, peer, self._timeout)
         peer.send(_DATA, memoryview(buf).cast("B"), work)
         return work
 
     def irecv(self, buf: memoryview, src: int) -> _Work:
+        if self.aborted is not None:
+            raise self.aborted
         peer = self._peer(src)
         work = _Work(memoryview(buf).cast("B"), peer, self._timeout)
         peer.post_recv(work)
@@ -328,11 +378,22 @@ class TcpTransport(Transport):
     def check_peers(self, ranks: Iterable[int] | None = None) -> None:
         """Raise the error of the first of ``ranks`` (default: every peer) found broken or gone,
         if any (cheap; no I/O). Pass the ranks being waited for: a peer that finished and said
-        goodbye is not a failure for a wait that does not involve it."""
+        goodbye is not a failure for a wait that does not involve it. After :meth:`abort`, the
+        job's error."""
+        if self.aborted is not None:
+            raise self.aborted
         for rank in self._peers if ranks is None else ranks:
             peer = self._peers.get(rank)
             if peer is not None and peer.error is not None:
                 raise peer.error
+
+    def abort(self, error: BaseException) -> None:
+        """See :meth:`ControlChannel.abort`."""
+        if self.aborted is not None:
+            return
+        self.aborted = error
+        for peer in self._peers.values():
+            peer.abort(error)
 
     def _deliver_ctrl(self, src: int, payload: bytes | bytearray) -> None:
         with self._handler_lock:
@@ -414,43 +475,42 @@ def create(
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((_bind_host(config, store), 0))
-    listener.listen(size)
+    listener.listen(max(size, 128))
     host, port = listener.getsockname()
     store.set(f"{prefix}tcp/{rank}", f"{host}:{port}".encode())  # type: ignore[attr-defined]
 
     socks: dict[int, socket.socket] = {}
     accepted: dict[int, socket.socket] = {}
     errors: list[BaseException] = []
+    expected = set(range(rank + 1, size))
+    all_in = threading.Event()
+    if not expected:
+        all_in.set()
+    throttle = wire.Throttle(log)
 
-    def accept_higher() -> None:
-        expected = set(range(rank + 1, size))
-        listener.settimeout(timeout)
-        while expected:
-            try:
-                conn, _ = listener.accept()
-            except OSError as exc:
-                errors.append(
-                    RingflowTimeoutError(
-                        f"rank {rank}: ranks {sorted(expected)} did not connect within "
-                        f"{timeout} s ({exc})"
-                    )
-                )
-                return
-            try:
-                _tune(conn)
-                wire.server_handshake(conn, secret, timeout)
-                (peer,) = _RANK.unpack(wire.recv_exact(conn, _RANK.size))
-                if peer not in expected:
-                    raise ProtocolError(f"a connection claimed rank {peer}, not expected here")
-            except RingflowError as exc:
-                log.warning("rank %d rejected a data connection: %s", rank, exc)
-                conn.close()
-                continue
-            expected.discard(peer)
-            accepted[peer] = conn
+    def rejected(addr: object, why: str) -> None:
+        throttle.log(logging.WARNING, "rank %d rejected a data connection from %s: %s",
+                     rank, addr, why)
 
-    acceptor = threading.Thread(target=accept_higher, name=f"ringflow-accept-{rank}", daemon=True)
-    acceptor.start()
+    def authenticated(conn: socket.socket, addr: object) -> None:
+        # The peer proved the secret and sends its rank right after: a short blocking read.
+        try:
+            conn.settimeout(min(timeout, _HANDSHAKE_S))
+            (peer,) = _RANK.unpack(wire.recv_exact(conn, _RANK.size))
+            if peer not in expected:
+                raise ProtocolError(f"a connection claimed rank {peer}, not expected here")
+        except (RingflowError, OSError) as exc:
+            rejected(addr, str(exc))
+            conn.close()
+            return
+        _tune(conn)
+        expected.discard(peer)
+        accepted[peer] = conn
+        if not expected:
+            all_in.set()
+
+    acceptor = wire.Acceptor(listener, secret, min(timeout, _HANDSHAKE_S), authenticated,
+                             rejected, name=f"ringflow-accept-{rank}", limit=4 * size + 16)
     try:
         for peer in range(rank):
             addr = store.get(f"{prefix}tcp/{peer}", timeout).decode()  # type: ignore[attr-defined]
@@ -460,9 +520,14 @@ def create(
             wire.client_handshake(conn, secret, timeout)
             conn.sendall(_RANK.pack(rank))
             socks[peer] = conn
-        acceptor.join()
+        if not all_in.wait(timeout):
+            errors.append(RingflowTimeoutError(
+                f"rank {rank}: ranks {sorted(expected)} did not connect within {timeout} s"))
     finally:
-        listener.close()
+        acceptor.close()  # closes the listener
+        if errors:
+            for s in accepted.values():
+                s.close()
     if errors:
         for s in socks.values():
             s.close()

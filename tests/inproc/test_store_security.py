@@ -6,16 +6,24 @@ that the rejection was logged, and that a proper TCPStore client still works aft
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import socket
 import struct
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+import ringflow
+from ringflow import wire
 from ringflow.errors import AuthenticationError
 from ringflow.rendezvous import StoreServer, TCPStore
 from ringflow.wire import client_handshake, new_secret, recv_frame, send_frame
@@ -25,6 +33,7 @@ pytestmark = pytest.mark.timeout(60)
 LOGGER = "ringflow.rendezvous.tcp"
 HELLO = 4 + 32  # b"RFW1" + the server's nonce
 HEAD = struct.Struct("!BdqI")
+ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
 
 
 @pytest.fixture
@@ -213,3 +222,107 @@ def test_close_closes_all_connections(secret: bytes) -> None:
     read_until_closed(half)
     with pytest.raises(OSError):
         socket.create_connection((server.host, server.port), timeout=1).close()
+
+
+def _store_threads() -> int:
+    return sum(t.name.startswith("ringflow-store") for t in threading.enumerate())
+
+
+def test_idle_connections_cost_no_thread_and_are_bounded(secret: bytes) -> None:
+    """1,000 connections that never speak: no thread each (they used to start 1,011), at most
+    ``handshake_limit`` held open, and real clients served meanwhile."""
+    with StoreServer(secret, timeout=30.0, handshake_limit=64) as server:
+        idle = []
+        for _ in range(1000):
+            idle.append(socket.create_connection((server.host, server.port), timeout=5))
+        deadline = time.monotonic() + 5
+        while server._acceptor.pending < 64 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        threads, pending = _store_threads(), server._acceptor.pending
+        start = time.monotonic()
+        assert_server_serves(server, secret)
+        took = time.monotonic() - start
+        print(f"1000 idle connections: {threads} store threads, {pending} held in their "
+              f"handshake, a client served in {took * 1e3:.1f} ms")
+        assert threads <= 2 and pending <= 64
+        for sock in idle:
+            sock.close()
+
+
+def test_authenticated_clients_are_capped(secret: bytes, caplog) -> None:
+    with StoreServer(secret, max_clients=3) as server:
+        clients = [authenticated(server, secret) for _ in range(3)]
+        extra = authenticated(server, secret)
+        assert read_until_closed(extra) == b""
+        assert "clients are connected already" in errors_logged(caplog)
+        for sock in clients:
+            sock.close()
+        deadline = time.monotonic() + 5
+        while server._conns and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert_server_serves(server, secret)
+
+
+def test_rejected_connections_are_logged_at_a_bounded_rate(secret: bytes, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger=LOGGER)
+    count = 2000
+    with StoreServer(secret, timeout=5.0) as server:
+        for _ in range(count):
+            sock = raw(server)
+            sock.sendall(b"\x00" * 64)  # a wrong MAC: rejected at once
+            sock.close()
+        deadline = time.monotonic() + 10
+        while server._acceptor.pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert_server_serves(server, secret)
+    lines = [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.ERROR]
+    print(f"{count} rejected connections: {len(lines)} log lines")
+    assert len(lines) <= wire.LOG_BURST + 1
+
+
+SERVER_SCRIPT = """
+import resource, sys, time
+from ringflow.rendezvous import StoreServer
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+server = StoreServer(bytes.fromhex(sys.argv[1]), timeout=30.0)
+print(server.port, flush=True)
+time.sleep(600)
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_out_of_file_descriptors_backs_off_instead_of_spinning(secret: bytes) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, secret.hex()], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        socks = []
+        for _ in range(120):  # far more than the 48 descriptors the server may hold
+            with contextlib.suppress(OSError):
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(0.5)
+        before = _cpu_seconds(proc.pid)
+        time.sleep(2.0)
+        used = _cpu_seconds(proc.pid) - before
+        print(f"out of descriptors with {len(socks)} connections: the server used "
+              f"{used:.2f} s of CPU in 2 s")
+        assert used < 0.15, f"the server spun: {used:.2f} s of CPU in 2 s"
+        for sock in socks:
+            sock.close()
+        time.sleep(1.5)  # the back-off is at most 1 s
+        with TCPStore("127.0.0.1", port, secret, timeout=10) as store:
+            store.set("after", b"1")
+            assert store.get("after") == b"1"
+    finally:
+        proc.kill()
+        proc.wait()
+        err = proc.stderr.read()
+    assert err.count("\n") <= 2 * wire.LOG_BURST + 5, err[-2000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -91,6 +92,30 @@ def test_intruders_during_setup_are_rejected_and_the_job_comes_up(caplog):
     assert len(rejected) >= 3, rejected
     rank0.close()
     rank1.close()
+
+
+@pytest.mark.parametrize("idle", [2, 50])
+def test_idle_connections_during_setup_do_not_delay_the_job(idle):
+    """Connections that never speak hold no handshake up (they used to be served one at a
+    time, each with the full timeout: two of them kept a job from starting)."""
+    store = MemoryStore(10.0)
+    start = time.monotonic()
+    thread, out = _start_rank0(store)
+    addr = _rank0_addr(store)
+    silent = [_raw(addr) for _ in range(idle)]
+    half = _raw(addr)
+    half.recv(36)
+    half.sendall(b"\x01" * 20)  # part of a handshake, then nothing
+    rank1 = tcp.create(1, 2, store, CONFIG, secret=SECRET)
+    thread.join(10)
+    took = time.monotonic() - start
+    print(f"{idle} idle connections to rank 0's listener: the job connected in {took:.2f} s "
+          f"(timeout_s {CONFIG.timeout_s})")
+    assert out and took < 2.0
+    out[0].close()
+    rank1.close()
+    for sock in [*silent, half]:
+        sock.close()
 
 
 def _fake_peer(store: MemoryStore) -> tuple[tcp.TcpTransport, socket.socket, list]:
