@@ -85,6 +85,9 @@ class Request:
     group_size: int = 0
     splits: tuple[int, ...] = ()
     error: str = ""
+    #: Where the user called (``file:line``, :func:`ringflow.submission.call_site`), for stall
+    #: reports; "" where unknown. Not compared: the same request from another line is cached.
+    site: str = dataclasses.field(default="", compare=False)
 
     @property
     def key(self) -> Key:
@@ -438,6 +441,20 @@ class Coordinator:
         flush()
         return out
 
+    def _elsewhere(self, ranks: list[int]) -> str:
+        """What each of ``ranks`` (missing from some name) waits in instead, with its site."""
+        parts = []
+        for rank in ranks:
+            mine = [(key[1], slot[rank]) for key, slot in self.table.items() if rank in slot]
+            if mine:
+                name, req = mine[0]
+                more = f" (and {len(mine) - 1} more)" if len(mine) > 1 else ""
+                at = f" submitted at {req.site}" if req.site else ""
+                parts.append(f"rank {rank} waits in {name!r}{at}{more}")
+            else:
+                parts.append(f"rank {rank} has submitted nothing pending (busy before its call)")
+        return f" ({'; '.join(parts)})" if parts else ""
+
     def stalled(self, warn_after: float, fail_after: float,
                 deadlock_after: float = 0.0) -> tuple[list[str], str]:
         """Warnings for names waiting past ``warn_after`` s; a fatal message past ``fail_after``,
@@ -461,7 +478,7 @@ class Coordinator:
             waits.append((key, sorted(slot), missing))
             text = (
                 f"tensor {key[1]!r} has waited {waited:.0f} s: submitted by ranks "
-                f"{sorted(slot)}, missing ranks {missing}"
+                f"{sorted(slot)}{_sites(slot)}, missing ranks {missing}{self._elsewhere(missing)}"
             )
             if fail_after and waited > fail_after:
                 return warnings, (
@@ -475,7 +492,8 @@ class Coordinator:
         waiting = {r for _, slot, _ in waits for r in slot}
         if (deadlock_after and awaited and awaited <= waiting
                 and now - self.last_change > deadlock_after):
-            parts = "; ".join(f"{key[1]!r} submitted by ranks {slot}, missing ranks {missing}"
+            parts = "; ".join(f"{key[1]!r} submitted by ranks {slot}"
+                              f"{_sites(self.table[key])}, missing ranks {missing}"
                               for key, slot, missing in waits if missing)
             return warnings, (
                 f"deadlock: every rank that a collective waits for is itself waiting in another "
@@ -485,6 +503,21 @@ class Coordinator:
                 f"RINGFLOW_DEADLOCK_SHUTDOWN_S sets this limit."
             )
         return warnings, ""
+
+
+def _sites(slot: dict[int, Request]) -> str:
+    """`` (at f.py:3)``, or `` (rank 0 at f.py:3, rank 1 at g.py:9)``; "" where none is known."""
+    by_site: dict[str, list[int]] = {}
+    for rank in sorted(slot):
+        if slot[rank].site:
+            by_site.setdefault(slot[rank].site, []).append(rank)
+    if not by_site:
+        return ""
+    if len(by_site) == 1 and len(next(iter(by_site.values()))) == len(slot):
+        return f" (at {next(iter(by_site))})"
+    parts = [f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} at {site}"
+             for site, rs in by_site.items()]
+    return f" ({', '.join(parts)})"
 
 
 def validate(name: str, slot: dict[int, Request]) -> tuple[str, str] | None:
