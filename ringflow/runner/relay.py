@@ -11,13 +11,13 @@ keeps a line that a worker writes in several pieces (``python -u`` writes the te
 All the relays of a job share one :class:`Screen`: the terminal that stdout and stderr usually
 are. A relay whose segment is open on it (text shown without its ``\\n``, or a bar ended by
 ``\\r`` with the cursor at its start) owns the line; before any other relay writes, the line is
-ended with ``\\n``, so a bar stays visible and is never overwritten by another rank's line (and
-the owner shows its prefix again if it goes on). In a file, the bytes are what the worker wrote,
-with the prefix after each ``\\r`` and ``\\n``: ``[0]:  10%\\r[0]:  20%\\r[0]: 100%\\n``.
-``\\r\\n`` is one line end. Invalid UTF-8 is replaced, never fatal; a multi-byte character is
-never cut when unended text is shown.
+ended with ``\\n``, so a bar stays visible and is never overwritten by another rank's line (if
+the owner goes on, it shows its segment again, whole, after its prefix). In a file, the bytes
+are what the worker wrote, with the prefix after each ``\\r`` and ``\\n``:
+``[0]:  10%\\r[0]:  20%\\r[0]: 100%\\n``. ``\\r\\n`` is one line end. Invalid UTF-8 is replaced,
+never fatal; a multi-byte character is never cut when unended text is shown.
 
-The failure report's tail keeps lines, and of a run of bar updates only the last.
+The failure report's tail keeps the lines, and of a run of bar updates only the last.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class Relay:
         self._tail_bar = False  # the tail's last entry is a bar (replaced by the next one)
         self._line = b""  # the open segment, not yet ended
         self._shown = 0  # bytes of it already on the screen, after a prefix
+        self._seen = 0  # bytes of it shown on a line that another relay's output ended
         self._at_bar = False  # the screen's cursor is at the start of this relay's last bar
 
     @property
@@ -108,7 +109,7 @@ class Relay:
             self._claim()
             head = self._prefix() if self._shown == 0 else ""
             self._write(head + self._line[self._shown:cut].decode("utf-8", "replace"))
-            self._shown = cut
+            self._shown, self._seen = cut, 0
             self._screen.open = self
 
     def close(self) -> None:
@@ -127,11 +128,16 @@ class Relay:
         """Write the segment ``text`` (all of it: shown or not) and its end."""
         if end == b"\r" and not text and not self._shown:
             return  # a bar's leading \r: nothing on the screen to go back over
+        if not self._shown and self._seen >= len(text) > 0:
+            # All of it is on the screen already, on a line ended for another relay's output.
+            self._seen, self._at_bar = 0, False
+            self._to_tail(text.decode("utf-8", "replace"), bar=end == b"\r")
+            return
         self._claim()
         head = self._prefix() if self._shown == 0 else ""
         body = text[self._shown:].decode("utf-8", "replace")
         self._write(head + body + end.decode())
-        self._shown = 0
+        self._shown = self._seen = 0
         self._at_bar = end == b"\r"
         self._screen.open = self if self._at_bar else None
         self._to_tail(text.decode("utf-8", "replace"), bar=self._at_bar)
@@ -141,7 +147,7 @@ class Relay:
         other = self._screen.open
         if other is not None and other is not self:
             other._write("\n")
-            other._shown = 0
+            other._seen, other._shown = other._shown, 0
             other._at_bar = False
             self._screen.open = None
 
@@ -153,11 +159,10 @@ class Relay:
     def _to_tail(self, text: str, bar: bool) -> None:
         if self._tail is None:
             return
-        if self._tail_bar and self._tail:
-            self._tail.pop()
-        if text or not bar:
-            self._tail.append(text)
-        self._tail_bar = bar and bool(text)
+        if bar and self._tail_bar and self._tail:
+            self._tail.pop()  # the bar's previous state
+        self._tail.append(text)
+        self._tail_bar = bar
 
 
 def _complete(data: bytes) -> int:
