@@ -3,10 +3,11 @@
 A worker's stdout or stderr is cut into *segments*: text ended by ``\\n`` (a line) or by ``\\r``
 (a progress-bar update: tqdm and Keras write ``\\r`` then the bar, and later ``\\r`` and the next
 one). Each segment reaches the launcher's stream with the rank's prefix in front, when it ends;
-and text still unended after :data:`HOLD_S` is shown as it is (a bar waiting for its next update,
-``print(..., end="")``), so that nothing waits for a newline that may come minutes later. The hold
-keeps a line that a worker writes in several pieces (``python -u`` writes the text and the
-``\\n`` separately) in one piece when other ranks write meanwhile.
+and a bar (text after a ``\\r``) still unended after :data:`HOLD_S` is shown as it is, so that
+it does not wait for a newline that may come minutes later. Other unended text waits for its
+``\\n`` as before (or the end of the stream): a line that a worker writes in pieces (``python
+-u`` writes the text and the ``\\n`` separately, a program prints ``part`` and later ``ial``)
+stays one line when other ranks write meanwhile.
 
 All the relays of a job share one :class:`Screen`: the terminal that stdout and stderr usually
 are. A relay whose segment is open on it (text shown without its ``\\n``, or a bar ended by
@@ -62,11 +63,12 @@ class Relay:
         self._shown = 0  # bytes of it already on the screen, after a prefix
         self._seen = 0  # bytes of it shown on a line that another relay's output ended
         self._at_bar = False  # the screen's cursor is at the start of this relay's last bar
+        self._after_cr = False  # the open segment follows a \r: a bar, shown before it ends
 
     @property
     def pending(self) -> bool:
-        """Whether unended text waits (see :meth:`show_pending`)."""
-        return len(self._line) > self._shown
+        """Whether unended text waits to be shown (see :meth:`show_pending`)."""
+        return self._line.endswith(b"\r") or (self._after_cr and len(self._line) > self._shown)
 
     def feed(self, chunk: bytes) -> None:
         """Take ``chunk``; write every segment it ends."""
@@ -104,7 +106,7 @@ class Relay:
                 self._end(text, b"\r")
                 return
             cut = _complete(self._line)
-            if cut <= self._shown:
+            if not self._after_cr or cut <= self._shown:
                 return
             self._claim()
             head = self._prefix() if self._shown == 0 else ""
@@ -126,6 +128,7 @@ class Relay:
     # under the screen's lock ------------------------------------------------------------------
     def _end(self, text: bytes, end: bytes) -> None:
         """Write the segment ``text`` (all of it: shown or not) and its end."""
+        self._after_cr = end == b"\r"
         if end == b"\r" and not text and not self._shown:
             return  # a bar's leading \r: nothing on the screen to go back over
         if not self._shown and self._seen >= len(text) > 0:

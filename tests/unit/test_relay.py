@@ -66,22 +66,30 @@ def test_another_rank_never_writes_over_an_open_bar() -> None:
     assert out.getvalue() == "[0]: 10%\n[1]:hello\n[0]: 20%\n"
 
 
-def test_unended_text_is_shown_and_its_line_goes_on_after_it() -> None:
+def test_a_line_in_pieces_waits_for_its_newline_and_stays_one_line() -> None:
     out, (r, other), _ = relays(2)
-    r.feed(b"loading...")
-    r.show_pending()
-    r.feed(b" done\n")
-    assert out.getvalue() == "[0]:loading... done\n"
-    r.feed(b"a")
+    r.feed(b"part")
+    assert not r.pending
     r.show_pending()
     other.feed(b"x\n")
-    r.feed(b"b\n")  # its line was ended for rank 1's: shown again, whole, with the prefix
-    assert out.getvalue().endswith("[0]:a\n[1]:x\n[0]:ab\n")
+    r.feed(b"ial\n")
+    assert out.getvalue() == "[1]:x\n[0]:partial\n"
+
+
+def test_a_bar_cut_by_another_rank_is_shown_again_whole() -> None:
+    out, (r, other), _ = relays(2)
+    r.feed(b"\rloading")
+    r.show_pending()
+    other.feed(b"x\n")
+    r.feed(b" done")
+    r.show_pending()
+    r.feed(b"\n")
+    assert out.getvalue() == "[0]:loading\n[1]:x\n[0]:loading done\n"
 
 
 def test_a_character_is_never_cut_and_bad_bytes_are_replaced() -> None:
     out, (r,), _ = relays()
-    r.feed("caf\u00e9".encode()[:-1])
+    r.feed("\rcaf\u00e9".encode()[:-1])
     r.show_pending()
     assert out.getvalue() == "[0]:caf"
     r.feed(b"\xa9 \xff\n")
