@@ -441,7 +441,7 @@ class Coordinator:
         flush()
         return out
 
-    def _elsewhere(self, ranks: list[int]) -> str:
+    def _elsewhere(self, ranks: list[int]) -> list[str]:
         """What each of ``ranks`` (missing from some name) waits in instead, with its site."""
         parts = []
         for rank in ranks:
@@ -453,7 +453,7 @@ class Coordinator:
                 parts.append(f"rank {rank} waits in {name!r}{at}{more}")
             else:
                 parts.append(f"rank {rank} has submitted nothing pending (busy before its call)")
-        return f" ({'; '.join(parts)})" if parts else ""
+        return parts
 
     def stalled(self, warn_after: float, fail_after: float,
                 deadlock_after: float = 0.0) -> tuple[list[str], str]:
@@ -478,7 +478,8 @@ class Coordinator:
             waits.append((key, sorted(slot), missing))
             text = (
                 f"tensor {key[1]!r} has waited {waited:.0f} s: submitted by ranks "
-                f"{sorted(slot)}{_sites(slot)}, missing ranks {missing}{self._elsewhere(missing)}"
+                f"{sorted(slot)}, missing ranks {missing}"
+                f"{_details([*_sites(slot), *self._elsewhere(missing)])}"
             )
             if fail_after and waited > fail_after:
                 return warnings, (
@@ -492,8 +493,8 @@ class Coordinator:
         waiting = {r for _, slot, _ in waits for r in slot}
         if (deadlock_after and awaited and awaited <= waiting
                 and now - self.last_change > deadlock_after):
-            parts = "; ".join(f"{key[1]!r} submitted by ranks {slot}"
-                              f"{_sites(self.table[key])}, missing ranks {missing}"
+            parts = "; ".join(f"{key[1]!r} submitted by ranks {slot}, missing ranks {missing}"
+                              f"{_details(_sites(self.table[key]))}"
                               for key, slot, missing in waits if missing)
             return warnings, (
                 f"deadlock: every rank that a collective waits for is itself waiting in another "
@@ -505,19 +506,18 @@ class Coordinator:
         return warnings, ""
 
 
-def _sites(slot: dict[int, Request]) -> str:
-    """`` (at f.py:3)``, or `` (rank 0 at f.py:3, rank 1 at g.py:9)``; "" where none is known."""
+def _sites(slot: dict[int, Request]) -> list[str]:
+    """Where the ranks of ``slot`` called: ``ranks 0, 2 called at f.py:3`` per site known."""
     by_site: dict[str, list[int]] = {}
     for rank in sorted(slot):
         if slot[rank].site:
             by_site.setdefault(slot[rank].site, []).append(rank)
-    if not by_site:
-        return ""
-    if len(by_site) == 1 and len(next(iter(by_site.values()))) == len(slot):
-        return f" (at {next(iter(by_site))})"
-    parts = [f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} at {site}"
-             for site, rs in by_site.items()]
-    return f" ({', '.join(parts)})"
+    return [f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} called at {site}"
+            for site, rs in by_site.items()]
+
+
+def _details(parts: list[str]) -> str:
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def validate(name: str, slot: dict[int, Request]) -> tuple[str, str] | None:

@@ -172,8 +172,8 @@ def test_a_stall_warning_names_the_call_sites(tmp_path) -> None:
     warnings = [line for line in proc.stderr.splitlines() if "ringflow stall" in line]
     print("\n" + "\n".join(warnings))
     s = next(w for w in warnings if "tensor 's'" in w)
-    assert f"submitted by ranks [0] (at {path}:5), missing ranks [1] (rank 1 waits in 'b' " \
-           f"submitted at {path}:8)" in s, s
+    assert f"submitted by ranks [0], missing ranks [1] (rank 0 called at {path}:5; rank 1 " \
+           f"waits in 'b' submitted at {path}:8)" in s, s
     b = next(w for w in warnings if "tensor 'b'" in w)
-    assert f"submitted by ranks [1] (at {path}:8), missing ranks [0] (rank 0 waits in 's' " \
-           f"submitted at {path}:5)" in b, b
+    assert f"submitted by ranks [1], missing ranks [0] (rank 1 called at {path}:8; rank 0 " \
+           f"waits in 's' submitted at {path}:5)" in b, b
