@@ -69,10 +69,11 @@ _internal_code: dict[Any, bool] = {}  # code object -> in an _INTERNAL package (
 def call_site(depth: int = 1) -> str:
     """``file:line`` of the innermost frame outside ringflow and the frameworks, or "".
 
-    For stall reports. 1.1 to 1.5 us per call from the numpy API on a 2-core VM, Python 3.11
-    (most of it making frame objects for ``f_back``: benchmarks/call_site_cost.py), so
-    :func:`submit` takes it only for a name the response cache does not know, whose request
-    travels in full; a cached name's report uses the site of its first negotiation.
+    For stall reports. 1.7 to 2.2 us through 2 ringflow frames, 4 to 7 us through 4 (a
+    2-core VM under load, Python 3.11; most of it making a frame object per level for
+    ``f_back``: benchmarks/call_site_cost.py), so :func:`submit` takes it only for a name the
+    response cache does not know, whose request travels in full; a cached name's report uses
+    the site of its negotiation, and its submission pays one dictionary lookup.
     """
     frame = sys._getframe(depth)
     while frame is not None:
