@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import logs as _logs
 from .compression import Compression, Compressor
 from .config import Config
 from .errors import RingflowError
@@ -48,9 +49,11 @@ from .runtime import (
     stop_timeline,
 )
 from .single_process import single_process_scope  # Jittor's (DESIGN.md section 10)
-from .submission import GroupHandle, name_of, scales, submit, submit_group
+from .submission import GroupHandle, call_site, name_of, scales, submit, submit_group
 
 __version__ = "0.1.0"
+
+_logs.install()  # ringflow's records reach stderr, with the rank, where no handler takes them
 
 __all__ = [
     "Adasum",
@@ -296,14 +299,15 @@ def _pieces(tensors: Sequence[Any] | None, n: int) -> tuple[list[np.ndarray], st
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank of ``process_set`` has called barrier()."""
     ps = set_id(process_set)
-    running().enqueue(Request(name_of("barrier", None, ps), "barrier", process_set=ps)).wait()
+    running().enqueue(Request(name_of("barrier", None, ps), "barrier", process_set=ps,
+                              site=call_site(2))).wait()
 
 
 def join() -> int:
     """Stop contributing data: until every rank has joined, this rank's engine takes part in
     other ranks' allreduces with zeros (allgathers with no rows). Returns the last rank to join.
     """
-    return int(running().enqueue(Request("join", "join")).wait())
+    return int(running().enqueue(Request("join", "join", site=call_site(2))).wait())
 
 
 def poll(handle: Handle) -> bool:

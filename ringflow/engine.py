@@ -66,10 +66,22 @@ from .errors import RingflowError, ShutdownError, from_wire
 from .executor import Entry, Executor, eager_input, unpack
 from .handles import Handle
 from .liveness import Liveness
-from .messages import Abort, Fatal, Handover, Heartbeat, Message, Plan, Submit, decode, encode
+from .messages import (
+    TIMELINE,
+    Abort,
+    ClockProbe,
+    Fatal,
+    Handover,
+    Heartbeat,
+    Message,
+    Plan,
+    Submit,
+    decode,
+    encode,
+)
 from .negotiation import CachedAllreduce, Coordinator, Request, Response, ResponseCache
 from .p2p import PointToPoint
-from .timeline import Timeline, path_for_rank
+from .timeline import Timeline, answer_probe
 
 __all__ = ["Engine", "Entry"]
 
@@ -137,9 +149,10 @@ class Engine:
         self._refuse: BaseException | None = None
         self._closed = False
         self._liveness = Liveness(rank, size, config.timeout_s)
-        self._timeline: Timeline | None = None
+        self._timeline: Timeline | None = None  # set under _lock; closed outside it
+        self._closing: Timeline | None = None  # the one being closed (see timeline())
         if config.timeline_path:
-            self._set_timeline(config.timeline_path)
+            self._timeline = Timeline(config.timeline_path, rank, size, self._send)
         self.p2p = PointToPoint(rank, size, transport.send_ctrl, self.stats)
         if size > 1:
             ref = weakref.ref(self)
@@ -215,8 +228,7 @@ class Engine:
                 self._refuse = ShutdownError("ringflow has been shut down; call init() again")
         self._inbox.put((Wake.STOP,))
         self._thread.join(self.config.timeout_s)
-        if self._timeline is not None:
-            self._timeline.close()
+        self.timeline(None)  # before the goodbye: the last records travel ahead of it
         self._liveness.stop()
         self._hand_over()
         self.backends.close()
@@ -239,14 +251,18 @@ class Engine:
             self._broadcast(Handover(successor, gone, list(c.joined), c.next_set_id))
 
     def timeline(self, path: str | None) -> None:
-        """Start writing the timeline to ``path`` (this rank's file), or stop with None."""
+        """Start recording the job's timeline (rank 0 writes it to ``path``), or stop with None.
+        Closing waits (rank 0: up to timeline.FINAL_WAIT_S) outside the control lock."""
         with self._control():
-            self._set_timeline(path)
-
-    def _set_timeline(self, path: str | None) -> None:
-        if self._timeline is not None:
-            self._timeline.close()
-        self._timeline = Timeline(path_for_rank(path, self.rank), self.rank) if path else None
+            old, self._timeline = self._timeline, None
+        if old is not None:
+            self._closing = old  # still takes the other ranks' last records
+            old.close()
+            self._closing = None
+        if path:
+            new = Timeline(path, self.rank, self.size, self._send)
+            with self._control():
+                self._timeline = new
 
     # callbacks from transport reader threads ---------------------------------------------------
     def _on_ctrl(self, src: int, payload: bytes) -> None:
@@ -257,6 +273,13 @@ class Engine:
                 return
             if isinstance(msg, PointToPoint.MESSAGES):
                 self.p2p.on_message(src, msg)  # between two ranks: no engine lock, no wake-up
+                return
+            if isinstance(msg, TIMELINE):
+                tl = self._timeline or self._closing
+                if tl is not None:
+                    tl.on_message(src, msg)
+                elif isinstance(msg, ClockProbe):
+                    self._send(src, answer_probe(msg, False))
                 return
             if isinstance(msg, (Abort, Fatal)):
                 error = msg.exception()
@@ -278,6 +301,8 @@ class Engine:
                 elif self.coordinator is not None:
                     if fault.ARMED:
                         fault.hit("negotiate")
+                    if self._timeline is not None:
+                        self._timeline.arrived(src, msg.requests, msg.bits, self.cache)
                     self.coordinator.submit(src, msg.requests, msg.bits, msg.data)
                     self._plan()
                 else:  # sent to this rank as the successor before its Handover arrived
@@ -409,6 +434,8 @@ class Engine:
         if fault.ARMED:
             fault.hit("submit")
         if self.coordinator is not None:
+            if self._timeline is not None:
+                self._timeline.arrived(self.rank, requests, bits, self.cache)
             self.coordinator.submit(self.rank, requests, bits, data)
             self._plan()
         else:
@@ -419,7 +446,7 @@ class Engine:
         req = entry.request
         self._pending[req.key] = entry
         if self._timeline is not None:
-            self._timeline.begin(req.name, f"NEGOTIATE_{req.kind.upper()}")
+            self._timeline.submitted(req.key)
         bit = None if req.error else self.cache.lookup(req)
         if bit is None:
             requests.append(req)
@@ -433,6 +460,8 @@ class Engine:
         holding = self.coordinator.holding
         plan = self.coordinator.plan(self.config.cycle_time_ms / 1000.0)
         if plan:
+            if self._timeline is not None:
+                self._timeline.negotiated(plan, self.cache)
             self._broadcast(Plan(plan))
             self._receive(plan)
         elif self.coordinator.holding and not holding:
@@ -576,7 +605,11 @@ class Engine:
     def _beat(self) -> None:
         """The liveness thread: a heartbeat to the other side, the verdict on a silent peer
         (here, since the engine thread may be blocked in a data-plane wait that only this
-        verdict ends), a tick for the engine thread."""
+        verdict ends), a tick for the engine thread; the timeline's clock probes (rank 0) or
+        records (other ranks)."""
+        tl = self._timeline
+        if tl is not None:
+            tl.beat()
         if self.coordinator is not None:
             self._broadcast(Heartbeat())
         else:
@@ -610,8 +643,7 @@ class Engine:
                 self._submitted.pop(r.key, None)
             if self._timeline is not None:
                 for r in resp.requests:
-                    if r.key in self._pending:
-                        self._timeline.end(r.name, f"NEGOTIATE_{r.kind.upper()}")
+                    self._timeline.planned(r.key)
             members = self.process_sets.get(resp.process_set)
             if resp.kind == "add_process_set" and not resp.error:
                 self.process_sets[resp.value] = list(resp.requests[0].shape)
@@ -641,9 +673,8 @@ class Engine:
                     return
                 resp, entries, data_plane, result = self._ready[0]
                 if data_plane and self._timeline is not None:
-                    for r, e in zip(resp.requests, entries, strict=True):
-                        if e is not None:
-                            self._timeline.begin(r.name, r.kind.upper(), fused=len(entries))
+                    for r in resp.requests:
+                        self._timeline.started(r.key)
             nbytes = sum(e.request.nbytes for e in entries if e is not None) if fault.ARMED else 0
             if data_plane and fault.ARMED:
                 fault.hit("data_start", nbytes)
@@ -661,15 +692,20 @@ class Engine:
         """Finish the handles of one plan item (under the lock)."""
         for r in resp.requests:
             self._pending.pop(r.key, None)
+        tl = self._timeline
         if resp.kind == "join":
             entry = self._pending.pop((0, "join"), None)
             if entry is not None:
                 self._done(entry.handle, resp.value)
+                if tl is not None:
+                    tl.completed((0, "join"), "join", 1)
             return
         if resp.error:
-            for entry in entries:
+            for r, entry in zip(resp.requests, entries, strict=True):
                 if entry is not None:
                     self._done(entry.handle, error=from_wire(resp.error_type, resp.error))
+                    if tl is not None:
+                        tl.completed(r.key, resp.kind, len(entries), resp.error)
             return
         if result is not None:
             results = unpack(result, resp.requests, entries)
@@ -677,15 +713,12 @@ class Engine:
         elif results is None:  # ops without data: barrier, process-set changes
             value = resp.value if resp.kind in ("add_process_set", "remove_process_set") else None
             results = [value] * len(entries)
-        tl = self._timeline
         self.stats["collectives"] += 1
         self.stats["tensors"] += len(entries)
         for r, entry, value in zip(resp.requests, entries, results, strict=True):
             if entry is not None:
                 if tl is not None:
-                    if not collective(resp.kind).data or result is not None:
-                        tl.begin(r.name, r.kind.upper(), fused=len(entries))
-                    tl.end(r.name, r.kind.upper())
+                    tl.completed(r.key, resp.kind, len(entries))
                 self._done(entry.handle, value)
 
 

@@ -18,6 +18,15 @@ any frame is read; :func:`decode` accepts only the classes below. Rank 0 is the 
                                                       others go on: ``successor`` coordinates
                                                       from now on (sent after its last plan)
 
+The timeline (:mod:`ringflow.timeline`), handled on the receiver's transport thread without
+the engine's lock, and only while a timeline is recorded::
+
+    rank 0 -> any    : ClockProbe(t)                  rank 0's clock, for the rank's offset
+    any -> rank 0    : ClockReply(t, t_peer, rec)     the probe's t, the rank's clock at once,
+                                                      whether it records a timeline
+    any -> rank 0    : TraceEvents(records, last)     finished operations (last: the rank
+                                                      stopped recording)
+
 Point to point (:mod:`ringflow.p2p`), between the two ranks involved only, handled on the
 receiver's transport thread without the engine's lock::
 
@@ -44,8 +53,8 @@ import numpy as np
 
 from .errors import ProtocolError, RingflowError, from_wire
 
-__all__ = ["Abort", "Fatal", "Handover", "Heartbeat", "Message", "P2PData", "P2PReply", "Plan",
-           "Submit", "decode", "encode"]
+__all__ = ["TIMELINE", "Abort", "ClockProbe", "ClockReply", "Fatal", "Handover", "Heartbeat",
+           "Message", "P2PData", "P2PReply", "Plan", "Submit", "TraceEvents", "decode", "encode"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +106,25 @@ class Handover:
     next_set_id: int
 
 
+# the timeline ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ClockProbe:
+    t: float  # rank 0's clock (time.perf_counter) when sent
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockReply:
+    t: float  # the probe's
+    t_peer: float  # the answering rank's clock when it answered
+    recording: bool  # it records a timeline: rank 0 waits for its last records at the end
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceEvents:
+    records: list[Any]  # ringflow.timeline.Record tuples
+    last: bool  # the rank stopped recording (or shuts down)
+
+
 # point to point ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class P2PData:
@@ -122,8 +150,12 @@ class P2PReply:
     text: str
 
 
-Message = Submit | Plan | Abort | Fatal | Heartbeat | Handover | P2PData | P2PReply
-_KINDS = (Submit, Plan, Abort, Fatal, Heartbeat, Handover, P2PData, P2PReply)
+Message = (Submit | Plan | Abort | Fatal | Heartbeat | Handover | ClockProbe | ClockReply
+           | TraceEvents | P2PData | P2PReply)
+_KINDS = (Submit, Plan, Abort, Fatal, Heartbeat, Handover, ClockProbe, ClockReply, TraceEvents,
+          P2PData, P2PReply)
+#: The timeline's messages (handled without the engine's lock).
+TIMELINE = (ClockProbe, ClockReply, TraceEvents)
 _HEARTBEAT = pickle.dumps(Heartbeat(), protocol=5)
 
 

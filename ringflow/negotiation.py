@@ -85,6 +85,9 @@ class Request:
     group_size: int = 0
     splits: tuple[int, ...] = ()
     error: str = ""
+    #: Where the user called (``file:line``, :func:`ringflow.submission.call_site`), for stall
+    #: reports; "" where unknown. Not compared: the same request from another line is cached.
+    site: str = dataclasses.field(default="", compare=False)
 
     @property
     def key(self) -> Key:
@@ -438,6 +441,20 @@ class Coordinator:
         flush()
         return out
 
+    def _elsewhere(self, ranks: list[int]) -> list[str]:
+        """What each of ``ranks`` (missing from some name) waits in instead, with its site."""
+        parts = []
+        for rank in ranks:
+            mine = [(key[1], slot[rank]) for key, slot in self.table.items() if rank in slot]
+            if mine:
+                name, req = mine[0]
+                more = f" (and {len(mine) - 1} more)" if len(mine) > 1 else ""
+                at = f" submitted at {req.site}" if req.site else ""
+                parts.append(f"rank {rank} waits in {name!r}{at}{more}")
+            else:
+                parts.append(f"rank {rank} has submitted nothing pending (busy before its call)")
+        return parts
+
     def stalled(self, warn_after: float, fail_after: float,
                 deadlock_after: float = 0.0) -> tuple[list[str], str]:
         """Warnings for names waiting past ``warn_after`` s; a fatal message past ``fail_after``,
@@ -462,6 +479,7 @@ class Coordinator:
             text = (
                 f"tensor {key[1]!r} has waited {waited:.0f} s: submitted by ranks "
                 f"{sorted(slot)}, missing ranks {missing}"
+                f"{_details([*_sites(slot), *self._elsewhere(missing)])}"
             )
             if fail_after and waited > fail_after:
                 return warnings, (
@@ -476,6 +494,7 @@ class Coordinator:
         if (deadlock_after and awaited and awaited <= waiting
                 and now - self.last_change > deadlock_after):
             parts = "; ".join(f"{key[1]!r} submitted by ranks {slot}, missing ranks {missing}"
+                              f"{_details(_sites(self.table[key]))}"
                               for key, slot, missing in waits if missing)
             return warnings, (
                 f"deadlock: every rank that a collective waits for is itself waiting in another "
@@ -485,6 +504,20 @@ class Coordinator:
                 f"RINGFLOW_DEADLOCK_SHUTDOWN_S sets this limit."
             )
         return warnings, ""
+
+
+def _sites(slot: dict[int, Request]) -> list[str]:
+    """Where the ranks of ``slot`` called: ``ranks 0, 2 called at f.py:3`` per site known."""
+    by_site: dict[str, list[int]] = {}
+    for rank in sorted(slot):
+        if slot[rank].site:
+            by_site.setdefault(slot[rank].site, []).append(rank)
+    return [f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} called at {site}"
+            for site, rs in by_site.items()]
+
+
+def _details(parts: list[str]) -> str:
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def validate(name: str, slot: dict[int, Request]) -> tuple[str, str] | None:

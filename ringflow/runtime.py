@@ -36,6 +36,8 @@ __all__ = ["Binding", "bound", "cross_rank", "cross_size", "get_client", "info",
            "is_initialized", "local_rank", "local_size", "rank", "running", "shutdown", "size",
            "start_timeline", "stats", "stop_timeline"]
 
+log = logging.getLogger(__name__)
+
 _state_lock = threading.Lock()
 _engine: Any = None
 _info: Any = None
@@ -141,15 +143,19 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
         why_not = topology.auto_binding(info) if config.bind_to == "auto" else ""
         if config.bind_to == "core" or (config.bind_to == "auto" and not why_not):
             cpus = topology.bind_to_cores(info)
-            logging.getLogger("ringflow").info("rank %d bound to CPUs %s", info.rank, cpus)
+            log.info("rank %d bound to CPUs %s", info.rank, cpus)
         elif why_not:
-            logging.getLogger("ringflow").info("rank %d not bound to CPUs: %s", info.rank, why_not)
+            log.info("rank %d not bound to CPUs: %s", info.rank, why_not)
         backends = connect(info, store, config, prefix, comm=comm)
         if fault.ARMED:
             fault.hit("init")
         _info = info
         _client = Client(store) if store is not None else local_client(config.timeout_s)
         _engine = Engine(info.rank, info.size, backends, config)
+        log.info("joined the job: rank %d of %d on %s (%s), local rank %d of %d, transport %s",
+                 info.rank, info.size, info.hostname, info.detector, info.local_rank,
+                 info.local_size, type(backends.transport).__name__)
+        log.debug("configuration: %s", config)
         if info.detector == "ringflow":
             _exit_on_sigterm()
         failure.install()
@@ -179,6 +185,7 @@ def shutdown() -> None:
         else:
             engine, _engine = _engine, None
     if engine is not None:
+        log.debug("shutting down")
         engine.shutdown()
 
 
@@ -305,12 +312,15 @@ def info() -> RankInfo:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Write a Chrome-trace timeline of this rank's operations to ``file_path`` (rank 0) or
-    ``file_path`` with ``.rank<r>`` before the suffix (other ranks). ``mark_cycles`` is accepted
-    for Horovod compatibility; ringflow has no cycles to mark (negotiation is event-driven)."""
+    """Start recording the job's timeline: rank 0 writes one Chrome-trace file at ``file_path``
+    with a track per rank on rank 0's clock (:mod:`ringflow.timeline`). Call it on every rank,
+    as Horovod's: a rank that does not record has no track (``file_path`` counts on rank 0).
+    ``mark_cycles`` is accepted for Horovod compatibility; ringflow has no cycles to mark
+    (negotiation is event-driven)."""
     running().timeline(str(file_path))
 
 
 def stop_timeline() -> None:
-    """Stop writing the timeline started by :func:`start_timeline` or RINGFLOW_TIMELINE_PATH."""
+    """Stop recording the timeline started by :func:`start_timeline` or RINGFLOW_TIMELINE_PATH;
+    on rank 0, finish the file (waiting up to 2 s for the other ranks' last records)."""
     running().timeline(None)

@@ -159,6 +159,8 @@ from .ssh import SshOptions
 
 __all__ = ["TUNING", "main", "worker_overrides"]
 
+log = logging.getLogger(__name__)
+
 _load_config_file = load_config_file  # the name the tests and older callers use
 
 PROG = "ringflow-run"
@@ -510,12 +512,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
     return args
 
 
-def _log_to_stderr() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+def _log_to_stderr(level: str | None, verbose: bool) -> None:
+    """The launcher's own records: ``--log-level`` for the ``ringflow`` logger (as for the
+    workers), ``--verbose`` at least INFO for ``ringflow.runner``; written by
+    :class:`ringflow.logs.FallbackHandler` as ``[ringflow-run HH:MM:SS.mmm] LEVEL name: text``."""
+    from .. import logs
+
+    logs.install()
+    logs.set_label(PROG)
+    if level is not None:
+        logging.getLogger("ringflow").setLevel(_LOG_LEVELS[level.lower()].upper())
     runner_log = logging.getLogger("ringflow.runner")
-    runner_log.addHandler(handler)
-    runner_log.setLevel(logging.INFO)
+    if verbose and runner_log.getEffectiveLevel() > logging.INFO:
+        runner_log.setLevel(logging.INFO)
 
 
 class _Collect(logging.Handler):
@@ -608,8 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in [f"{PROG}: note: {note}" for note in args.notes] + messages:
         print(line, file=sys.stderr)
 
-    if args.verbose:
-        _log_to_stderr()
+    _log_to_stderr(args.log_level, args.verbose)
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
@@ -619,6 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config_file=args.ssh_config_file, host_key_checking=not args.disable_host_key_checking,
         export=tuple(args.export_names), bind_interface=args.network_interface,
     )
+    log.debug("%d workers on %s: %s", len(workers), ", ".join(where), args.command)
     try:
         result = run_job(
             args.command, workers, base_env=env, handle_signals=True, ssh=ssh,

@@ -45,8 +45,9 @@ Each worker
       orphans, whatever the worker command is.
 
 Output: every line a worker writes to stdout (stderr) is written to ``stdout`` (``stderr``) as
-``[rank]:line`` (``timestamps``: ``YYYY-mm-dd HH:MM:SS.mmm [rank]:line``). Bytes are split on
-``\\n``; a final line without one is flushed at EOF; invalid UTF-8 is replaced, never fatal. With
+``[rank]:line`` (``timestamps``: ``YYYY-mm-dd HH:MM:SS.mmm [rank]:line``), live: bytes are split
+on ``\\n`` and ``\\r`` (progress bars), and text without either is shown after 50 ms
+(:mod:`.relay`); a final line without one is flushed at EOF; invalid UTF-8 is replaced. With
 ``output_dir`` the bytes go unchanged to ``output_dir/rank.N/stdout`` and ``.../stderr`` instead
 (horovodrun's ``--output-filename``); the failure report still shows the stderr tail.
 
@@ -83,6 +84,7 @@ from typing import IO, Any
 
 from ..errors import ConfigError, LaunchError
 from ..failure import Status, read_status
+from . import relay
 from .hosts import WorkerSpec, is_local
 from .report import JobResult, WorkerExit, root_cause
 from .ssh import SshOptions, ssh_argv
@@ -257,7 +259,7 @@ class LocalJob:
         # Lists are indexed by position in ``workers``; a job of one machine of a multi-machine
         # launch (:mod:`.machines`) runs ranks that do not start at 0.
         self._position = {w.rank: i for i, w in enumerate(self._workers)}
-        self._locks = {id(self._out): threading.Lock(), id(self._err): threading.Lock()}
+        self._screen = relay.Screen()  # the terminal that stdout and stderr share
         self._stop_signal: int | None = None
 
     @property
@@ -381,45 +383,28 @@ class LocalJob:
         out: IO[str] | IO[bytes],
         tail: collections.deque[str] | None,
     ) -> None:
-        lock = self._locks.setdefault(id(out), threading.Lock())
-        prefix = f"[{rank}]:"
-        pending = b""
-        with contextlib.suppress(OSError, ValueError):
-            while chunk := stream.read(65536):
-                *lines, pending = (pending + chunk).split(b"\n")
-                self._emit(out, lock, prefix, lines, tail)
-        if pending:
-            self._emit(out, lock, prefix, [pending], tail, newline=b"")
+        if self._output_dir is not None:  # a per-rank file: the bytes as written
+            relay.pump(stream, None, raw=out, tail=tail)  # type: ignore[arg-type]
+        else:
+            text: IO[str] = out  # type: ignore[assignment]
+            relay.pump(stream, relay.Relay(text, self._prefix(rank), self._screen, tail))
         with contextlib.suppress(OSError):
             stream.close()
         if self._output_dir is not None:
             with contextlib.suppress(OSError):
                 out.close()
 
-    def _emit(
-        self,
-        out: IO[str] | IO[bytes],
-        lock: threading.Lock,
-        prefix: str,
-        lines: list[bytes],
-        tail: collections.deque[str] | None,
-        newline: bytes = b"\n",
-    ) -> None:
-        if not lines:
-            return
-        text = [line.decode("utf-8", errors="replace") for line in lines]
-        if tail is not None:
-            tail.extend(text)
-        with lock, contextlib.suppress(OSError, ValueError):
-            if self._output_dir is not None:  # a per-rank file: the bytes as written
-                out.write(newline.join(lines) + newline)  # type: ignore[arg-type]
-            else:
-                if self._timestamps:
-                    now = time.time()
-                    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
-                    prefix = f"{stamp}.{int(now % 1 * 1000):03d} {prefix}"
-                out.write("".join(f"{prefix}{t}\n" for t in text))  # type: ignore[arg-type]
-            out.flush()
+    def _prefix(self, rank: int) -> Callable[[], str]:
+        prefix = f"[{rank}]:"
+        if not self._timestamps:
+            return lambda: prefix
+
+        def stamped() -> str:
+            now = time.time()
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+            return f"{stamp}.{int(now % 1 * 1000):03d} {prefix}"
+
+        return stamped
 
     def wait(self, timeout: float | None = None) -> JobResult:
         """Wait until every worker exits, the first fails, :meth:`stop` is called, or ``timeout``

@@ -301,3 +301,46 @@ def test_a_subset_process_set_needs_only_its_members() -> None:
     c.submit(3, [ar("s", process_set=1)], [])
     (item,) = c.plan()
     assert item.process_set == 1 and not item.error
+
+
+def test_a_stall_names_where_each_rank_called_and_what_the_missing_rank_waits_in() -> None:
+    c = coordinator()
+    c.submit(0, [ar("s", site="train.py:12")], [])
+    c.submit(2, [ar("s", site="train.py:12")], [])
+    c.submit(1, [ar("b", site="eval.py:7")], [])
+    c.first_seen[(0, "s")] -= 100.0
+    warnings, _ = c.stalled(warn_after=10, fail_after=0)
+    assert warnings == ["tensor 's' has waited 100 s: submitted by ranks [0, 2], missing ranks "
+                        "[1] (ranks 0, 2 called at train.py:12; rank 1 waits in 'b' submitted at "
+                        "eval.py:7)"]
+    c.submit(2, [ar("t", site="other.py:3")], [])  # rank 2 is now also waiting in 't'
+    c.first_seen[(0, "t")] -= 100.0
+    c.warned.clear()
+    warnings, _ = c.stalled(warn_after=10, fail_after=0)
+    assert "tensor 't' has waited 100 s: submitted by ranks [2], missing ranks [0, 1] (rank 2 " \
+           "called at other.py:3; rank 0 waits in 's' submitted at train.py:12; rank 1 waits in " \
+           "'b' submitted at eval.py:7)" in warnings
+
+
+def test_a_cached_name_stalls_with_the_site_of_its_negotiation_and_sites_differ() -> None:
+    c = coordinator(size=2)
+    for rank in (0, 1):
+        c.submit(rank, [ar("w", site=f"rank{rank}.py:1")], [])
+    (item,) = c.plan()
+    c.cache.record(item, lambda key: item.requests[0])
+    assert c.cache.lookup(ar("w", site="elsewhere.py:9")) == 0  # the site is not compared
+    c.submit(1, [], [0])  # the next step: rank 1 sends the bit alone; rank 0 never comes
+    c.first_seen[(0, "w")] -= 100.0
+    warnings, _ = c.stalled(warn_after=10, fail_after=0)
+    assert warnings == ["tensor 'w' has waited 100 s: submitted by ranks [1], missing ranks [0] "
+                        "(rank 1 called at rank1.py:1; rank 0 has submitted nothing pending (busy "
+                        "before its call))"]
+    c.submit(0, [ar("v", site="a.py:1")], [])
+    c.submit(1, [ar("v", site="b.py:2")], [])  # different lines: each rank's is named
+    (item,) = c.plan()
+    assert item.names == ("v",)
+    c.submit(1, [ar("u", site="b.py:3")], [])
+    c.submit(0, [ar("x", site="a.py:5")], [])
+    c.first_seen[(0, "x")] -= 100.0
+    warnings, _ = c.stalled(warn_after=10, fail_after=0)
+    assert "rank 1 waits in 'w' submitted at rank1.py:1 (and 1 more)" in warnings[-1], warnings
