@@ -30,9 +30,14 @@ import os
 import sys
 import time
 
-__all__ = ["FallbackHandler", "RankFilter", "install", "rank_label", "set_label"]
+__all__ = ["FallbackHandler", "RankFilter", "install", "label", "rank_label", "set_label"]
 
 _label = ""
+
+
+def label() -> str:
+    """The name :func:`set_label` gave this process, or ``""``."""
+    return _label
 
 
 def set_label(label: str) -> None:
@@ -46,10 +51,10 @@ def rank_label() -> str:
     try:
         from . import runtime
 
-        _, info, _ = runtime._state()
+        engine, info, _ = runtime._state()
     except Exception:  # a record logged while ringflow itself is being imported
-        info = None
-    if info is not None:
+        engine = info = None
+    if engine is not None and info is not None:  # a job that has shut down is no rank's now
         return f"rank {info.rank}/{info.size}"
     rank, size = os.environ.get("RINGFLOW_RANK"), os.environ.get("RINGFLOW_SIZE")
     if rank is not None:

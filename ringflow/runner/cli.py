@@ -512,19 +512,28 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
     return args
 
 
-def _log_to_stderr(level: str | None, verbose: bool) -> None:
-    """The launcher's own records: ``--log-level`` for the ``ringflow`` logger (as for the
-    workers), ``--verbose`` at least INFO for ``ringflow.runner``; written by
-    :class:`ringflow.logs.FallbackHandler` as ``[ringflow-run HH:MM:SS.mmm] LEVEL name: text``."""
+@contextmanager
+def _launcher_logging(level: str | None, verbose: bool) -> Iterator[None]:
+    """The launcher's own records while the job runs: ``--log-level`` for the ``ringflow`` logger
+    (as for the workers), ``--verbose`` at least INFO for ``ringflow.runner``; written by
+    :class:`ringflow.logs.FallbackHandler` as ``[ringflow-run HH:MM:SS.mmm] LEVEL name: text``.
+    The label and levels are put back afterwards (``main`` may run inside another program)."""
     from .. import logs
 
+    ringflow_log, runner_log = logging.getLogger("ringflow"), logging.getLogger("ringflow.runner")
+    saved = logs.label(), ringflow_log.level, runner_log.level
     logs.install()
     logs.set_label(PROG)
     if level is not None:
-        logging.getLogger("ringflow").setLevel(_LOG_LEVELS[level.lower()].upper())
-    runner_log = logging.getLogger("ringflow.runner")
+        ringflow_log.setLevel(_LOG_LEVELS[level.lower()].upper())
     if verbose and runner_log.getEffectiveLevel() > logging.INFO:
         runner_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logs.set_label(saved[0])
+        ringflow_log.setLevel(saved[1])
+        runner_log.setLevel(saved[2])
 
 
 class _Collect(logging.Handler):
@@ -617,7 +626,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in [f"{PROG}: note: {note}" for note in args.notes] + messages:
         print(line, file=sys.stderr)
 
-    _log_to_stderr(args.log_level, args.verbose)
+    with _launcher_logging(args.log_level, args.verbose):
+        return _run(args, workers, where, env)
+
+
+def _run(args: argparse.Namespace, workers: list[Any], where: list[str],
+         env: dict[str, str]) -> int:
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
