@@ -51,7 +51,7 @@ pytestmark = [pytest.mark.timeout(420),
               pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs /proc")]
 
 WORKER = str(Path(__file__).resolve().parent / "fuzz_worker.py")
-FRAMES = int(os.environ.get("RINGFLOW_FUZZ_FRAMES", "10000"))
+FRAMES = 10_000
 ROUNDS, ITERATIONS, N = 2, 40, 3
 LATE = {1: 1, 2: 0}  # round -> the rank that starts late (the others' listeners wait for it)
 # Of FRAMES: the share sent before the first init() and to the data listeners of each round.
