@@ -7,9 +7,12 @@ their cache bits; see :mod:`ringflow.negotiation`). Because the order of the ope
 depends on where an element sits in the buffer, both give bitwise identical results for the same
 inputs, whatever the fusion layout.
 
-Accumulation: 16-bit floats in float32 (rounded to 16 bits once, at the end), integers that are
-scaled in float64 and truncated toward zero like C's ``static_cast``; everything else in its own
-dtype. AVERAGE is SUM scaled by ``postscale / n``.
+Accumulation: 16-bit floats in float32 (rounded to 16 bits once, at the end); everything else in
+its own dtype, integers included (a sum that overflows wraps, as on the ring, MPI and NCCL), the
+scale of integers applied in float64 and truncated toward zero like C's ``static_cast``. AVERAGE
+is SUM scaled by ``postscale / n``. These are the ring's rules (:mod:`.reduction`): every path
+gives the same bits. (Scaled integers used to be summed in float64, so an integer AVERAGE whose
+sum overflowed was the true mean here and the wrapped one on the ring; the soak test found it.)
 """
 
 from __future__ import annotations
@@ -49,20 +52,22 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
     if dtype == np.bool_ and (op == ReduceOp.AVERAGE or postscale != 1.0):
         raise TensorError("a bool tensor cannot be averaged or scaled; use Sum, Min, Max or "
                           "Product, or cast it to a numeric dtype")
-    wide = is_float16ish(dtype) or (dtype.kind in "iu" and factor != 1.0)
-    acc_dtype = np.dtype((np.float32 if is_float16ish(dtype) else np.float64) if wide else dtype)
+    wide = is_float16ish(dtype)
+    acc_dtype = np.dtype(np.float32 if wide else dtype)
+    scale_ints = dtype.kind in "iu" and factor != 1.0  # scaled in a float64 block of its own
     # A range that is likely still in cache is combined in place in dst, in blocks below glibc's
     # non-temporal threshold. A larger one goes through an accumulator block and is written out
     # by whole-block copies that glibc streams past the cache. Wide dtypes need the accumulator;
     # so does a dst that is a later part (rank r > 0 of the shared-memory path reduces into its
     # own input): writing parts[0] there first would destroy that part before it is read.
     stream = (hi - lo) * dtype.itemsize >= STREAM_BYTES
-    per = chunk_elems(acc_dtype.itemsize) // (1 if stream else 2) or 1
+    per = chunk_elems(8 if scale_ints else acc_dtype.itemsize) // (1 if stream else 2) or 1
     if len(parts) == 2 and np.may_share_memory(dst, parts[1]):
         parts = parts[::-1]  # two operands commute exactly (every op here); reduce in place
     acc = None
     if stream or wide or any(np.may_share_memory(dst, p) for p in parts[1:]):
         acc = np.empty(min(per, max(hi - lo, 1)), acc_dtype)
+    scaled = np.empty(min(per, max(hi - lo, 1)), np.float64) if scale_ints else None
     in_place = dst.ctypes.data == parts[0].ctypes.data and dst.strides == parts[0].strides
     for a, b in chunk_ranges(lo, hi, per):
         rest = parts[1:]
@@ -79,10 +84,13 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
                 np.copyto(tmp, parts[0][a:b], casting="unsafe")
         for part in rest:
             combine(tmp, part[a:b], out=tmp, casting="unsafe")
-        if factor != 1.0:
+        if scaled is not None:
+            f = scaled[: b - a]
+            np.multiply(tmp, factor, out=f, dtype=np.float64)
+            np.trunc(f, out=f)  # toward zero, like C's static_cast
+            np.copyto(tmp, f, casting="unsafe")
+        elif factor != 1.0:
             np.multiply(tmp, factor, out=tmp, casting="unsafe")
-            if dtype.kind in "iu":
-                np.trunc(tmp, out=tmp)  # toward zero, like C's static_cast
         if acc is not None:
             np.copyto(dst[a:b], tmp, casting="unsafe")
         if mirror is not None:

@@ -60,9 +60,10 @@ operations later, after every rank has passed the next operation's first barrier
 overwrite data another is still reading.
 
 Both paths reduce with :func:`~ringflow.algorithms.local.reduce_parts` (16-bit floats accumulate
-in float32, scaled integers in float64; scaled once). No byte goes through a socket. Because each
-element is reduced by one rank in a fixed order that does not depend on where it sits in the
-buffer, results are bitwise identical on every rank, across fusion layouts, and between paths.
+in float32, integers in their dtype, wrapping as on the ring, and are scaled in float64; scaled
+once). No byte goes through a socket. Because each element is reduced by one rank in a fixed
+order that does not depend on where it sits in the buffer, results are bitwise identical on every
+rank, across fusion layouts, and between paths.
 
 Across hosts (:mod:`.hierarchical`): :meth:`ShmAllreduce.allreduce` takes an ``across`` step
 that runs on this rank's reduced share between the two barriers of either path, so a ring

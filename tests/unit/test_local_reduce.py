@@ -13,22 +13,21 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def reference(parts: list[np.ndarray], op: ReduceOp, postscale: float) -> np.ndarray:
-    """Left to right in rank order, in the accumulator dtype, scaled once."""
+    """Left to right in rank order, in the accumulator dtype (float32 for 16-bit floats, else
+    the dtype: integers wrap), scaled once (integers in float64, truncated toward zero)."""
     dtype = parts[0].dtype
-    wide = dtype in (np.float16, BFLOAT16) or (dtype.kind in "iu" and (
-        postscale != 1.0 or op == ReduceOp.AVERAGE))
-    acc_dtype = (np.float32 if dtype.kind == "f" or dtype == BFLOAT16 else np.float64) \
-        if wide else dtype
+    acc_dtype = np.float32 if dtype in (np.float16, BFLOAT16) else dtype
     acc = parts[0].astype(acc_dtype)
     fn = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
           ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}[op]
     for p in parts[1:]:
-        acc = fn(acc, p.astype(acc_dtype)).astype(acc_dtype)
+        acc = fn(acc, p.astype(acc_dtype), dtype=acc_dtype)
     factor = postscale / len(parts) if op == ReduceOp.AVERAGE else postscale
     if factor != 1.0:
-        acc = (acc * factor).astype(acc_dtype)
         if dtype.kind in "iu":
-            acc = np.trunc(acc)
+            acc = np.trunc(acc.astype(np.float64) * factor)
+        else:
+            acc = (acc * factor).astype(acc_dtype)
     return acc.astype(dtype)
 
 
@@ -54,3 +53,31 @@ def test_reduce_parts_matches_rank_order_reference_whatever_the_destination(
     if mirror is not None:
         assert mirror[lo:hi].tobytes() == want.tobytes()
         assert not mirror[:lo].any() and not mirror[hi:].any()
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int32, np.int64])
+@pytest.mark.parametrize("stream", [False, True], ids=["in-place", "streamed"])
+def test_scaled_integer_sum_wraps_as_on_the_ring(monkeypatch, dtype, stream) -> None:
+    """An integer AVERAGE whose sum overflows: the wrapped sum, scaled in float64 and truncated,
+    as the ring's Reduction computes it, so that every path gives the same bits (the shared-
+    memory and coordinator paths used to sum in float64 and give the true mean instead)."""
+    from ringflow.algorithms.reduction import Reduction
+
+    monkeypatch.setattr(buffers, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(local, "STREAM_BYTES", 0 if stream else 1 << 40)
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(7)
+    n, length = 4, 3001
+    parts = [rng.integers(info.min, info.max, length, dtype=dtype, endpoint=True)
+             for _ in range(n)]
+    dst = np.zeros(length, dtype)
+    reduce_parts(parts, 0, length, dst, ReduceOp.AVERAGE, 1.0)
+    # The ring's arithmetic: combine in the dtype, the owner's finish() scales.
+    red = Reduction(np.dtype(dtype), ReduceOp.AVERAGE, 1.0, n, "t")
+    acc = parts[0].copy()
+    for p in parts[1:-1]:
+        red.combine(acc, p, red.scratch(length))
+    red.finish(acc, parts[-1], red.scratch(length))
+    assert dst.tobytes() == acc.tobytes()
+    wrapped = np.add.reduce(np.stack(parts), axis=0, dtype=dtype)
+    assert dst.tobytes() == np.trunc(wrapped.astype(np.float64) / n).astype(dtype).tobytes()
