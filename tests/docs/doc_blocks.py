@@ -13,8 +13,10 @@ tests run the block::
                                         ringflow-run's own argument parser; YAML is loaded
 
 followed by options: ``needs=NAME,...`` (a Python module or a program on PATH; the block is
-skipped where one is missing, as the GPU and MPI tests are), ``timeout=SECONDS`` (default 120)
-and ``expect=TEXT`` (the output must contain it). A block whose lines are all snippet includes
+skipped where one is missing, as the GPU and MPI tests are), ``timeout=SECONDS`` (default 120),
+``expect=TEXT`` (the output must contain it), and for ``parse`` ``tested-by=PATH``: a test file
+that runs these very commands in full (every ``examples/`` file the block names must appear in
+it), for commands too slow to run twice. A block whose lines are all snippet includes
 (``--8<-- "examples/...``) shows a file as it is: it needs no comment, and its file must be one
 that a test outside tests/docs runs. A block with neither fails the tests.
 
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 EXEMPT = {"DESIGN.md"}
 MODES = ("python", "bash", "parse", "ringflow-run")
-OPTIONS = ("needs", "timeout", "expect")
+OPTIONS = ("needs", "timeout", "expect", "tested-by")
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _ANNOTATION = re.compile(r"^\s*<!--\s*run:\s*(?P<body>.*?)\s*-->\s*$")
@@ -62,6 +64,7 @@ class Run:
     needs: tuple[str, ...]
     timeout: float
     expect: str | None
+    tested_by: str | None  # parse only: the test (a path) that runs the block's examples
 
 
 def pages() -> list[Path]:
@@ -120,8 +123,10 @@ def parse_run(annotation: str) -> Run:
         else:
             raise ValueError(f"unknown option {word!r}; options are {OPTIONS} as key=value")
     needs = tuple(filter(None, options.get("needs", "").split(",")))
+    if "tested-by" in options and mode != "parse":
+        raise ValueError("tested-by= belongs to run: parse (the block is run elsewhere)")
     return Run(mode, tuple(launcher), needs, float(options.get("timeout", 120)),
-               options.get("expect"))
+               options.get("expect"), options.get("tested-by"))
 
 
 def commands(script: str) -> Iterator[list[str]]:

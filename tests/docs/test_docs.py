@@ -139,6 +139,10 @@ def test_block(block: Block, workdir: Path) -> None:
     script.write_text(block.code)
     if run.mode == "parse":
         parse(block, script)
+        if run.tested_by is not None:
+            runner = (ROOT / run.tested_by).read_text()
+            for example in set(re.findall(r"examples/[\w/.-]+", block.code)):
+                assert example in runner, f"{block.id}: {run.tested_by} does not run {example}"
         return
     argv = {
         "python": ["python", script.name],
