@@ -31,6 +31,7 @@ def env(shims: Path) -> dict[str, str]:
         **base,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])),
         "PATH": os.pathsep.join([str(shims), str(Path(sys.executable).parent), base["PATH"]]),
+        "HOME": str(shims.parent / "home"),  # blocks may write ~/.ringflow
         "OMP_NUM_THREADS": "1",
         "TF_CPP_MIN_LOG_LEVEL": "3",
         # Open MPI refuses root unless asked; CI runs as root.
@@ -42,9 +43,11 @@ def env(shims: Path) -> dict[str, str]:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     """A scratch directory that looks like the top of the checkout to a block (examples/ and
-    benchmarks/ are there), with the shims of :func:`env` in ``.bin``."""
+    benchmarks/ are there), with the shims of :func:`env` in ``.bin`` and the blocks' HOME in
+    ``home``."""
     for name in ("examples", "benchmarks"):
         (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "home").mkdir()
     shims = tmp_path / ".bin"
     shims.mkdir()
     (shims / "python").symlink_to(sys.executable)
