@@ -26,7 +26,7 @@ def _output(argv: list[str]) -> str:
     return proc.stdout.rstrip()
 
 
-def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 (mkdocs' API)
+def on_page_markdown(markdown: str, page, config, files) -> str:  # mkdocs calls it so
     for name, argv in COMMANDS.items():
         marker = f"<!-- insert: {name} -->"
         if marker in markdown:

@@ -11,6 +11,8 @@ tests run the block::
                                         hosts, a Slurm or Kubernetes cluster, an install from the
                                         network): bash -n, and every ringflow-run command through
                                         ringflow-run's own argument parser; YAML is loaded
+    <!-- run: output from=PATH -->      not code: what the program PATH printed, quoted (a
+                                        benchmark's figures); PATH must exist
 
 followed by options: ``needs=NAME,...`` (a Python module or a program on PATH; the block is
 skipped where one is missing, as the GPU and MPI tests are), ``timeout=SECONDS`` (default 120),
@@ -21,7 +23,9 @@ it), for commands too slow to run twice. A block whose lines are all snippet inc
 that a test outside tests/docs runs. A block with neither fails the tests.
 
 ``docs/DESIGN.md`` is exempt: it is the architecture record the developers keep (its blocks are
-the layout of the source tree and design sketches), included in the site as it is.
+the layout of the source tree and design sketches), included in the site as it is; so is
+``benchmarks/RESULTS.md``, the record of measurements that docs/benchmarks/results.md includes
+(its commands take minutes to hours, on namespace hosts as root).
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 EXEMPT = {"DESIGN.md"}
-MODES = ("python", "bash", "parse", "ringflow-run")
-OPTIONS = ("needs", "timeout", "expect", "tested-by")
+MODES = ("python", "bash", "parse", "ringflow-run", "output")
+OPTIONS = ("needs", "timeout", "expect", "tested-by", "from")
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _ANNOTATION = re.compile(r"^\s*<!--\s*run:\s*(?P<body>.*?)\s*-->\s*$")
@@ -65,6 +69,7 @@ class Run:
     timeout: float
     expect: str | None
     tested_by: str | None  # parse only: the test (a path) that runs the block's examples
+    source: str | None  # output only: the program (a path) that printed the block
 
 
 def pages() -> list[Path]:
@@ -125,8 +130,10 @@ def parse_run(annotation: str) -> Run:
     needs = tuple(filter(None, options.get("needs", "").split(",")))
     if "tested-by" in options and mode != "parse":
         raise ValueError("tested-by= belongs to run: parse (the block is run elsewhere)")
+    if (mode == "output") != ("from" in options):
+        raise ValueError("run: output and from=PATH go together (the program that printed it)")
     return Run(mode, tuple(launcher), needs, float(options.get("timeout", 120)),
-               options.get("expect"), options.get("tested-by"))
+               options.get("expect"), options.get("tested-by"), options.get("from"))
 
 
 def commands(script: str) -> Iterator[list[str]]:
