@@ -22,6 +22,9 @@ it), for commands too slow to run twice. A block whose lines are all snippet inc
 (``--8<-- "examples/...``) shows a file as it is: it needs no comment, and its file must be one
 that a test outside tests/docs runs. A block with neither fails the tests.
 
+The README follows the same rule, but for its first block: the project's two commands (install
+and run an example; install and run the suite), which the tests check against ``.ci/run``.
+
 ``docs/DESIGN.md`` is exempt: it is the architecture record the developers keep (its blocks are
 the layout of the source tree and design sketches), included in the site as it is; so is
 ``benchmarks/RESULTS.md``, the record of measurements that docs/benchmarks/results.md includes
@@ -72,13 +75,18 @@ class Run:
     source: str | None  # output only: the program (a path) that printed the block
 
 
+README = ROOT / "README.md"
+
+
 def pages() -> list[Path]:
-    return sorted(p for p in DOCS.rglob("*.md") if p.relative_to(DOCS).as_posix() not in EXEMPT)
+    """The pages under docs/ but the exempt ones, and the README."""
+    docs = sorted(p for p in DOCS.rglob("*.md") if p.relative_to(DOCS).as_posix() not in EXEMPT)
+    return [*docs, README]
 
 
 def blocks(page: Path) -> Iterator[Block]:
     lines = page.read_text().splitlines()
-    rel = page.relative_to(DOCS).as_posix()
+    rel = "README.md" if page == README else page.relative_to(DOCS).as_posix()
     i = 0
     while i < len(lines):
         m = _FENCE.match(lines[i])

@@ -20,6 +20,8 @@ import doc_blocks
 from doc_blocks import DOCS, ROOT, Block
 
 BLOCKS = doc_blocks.all_blocks()
+# The README's first block is the project's two commands, checked by test_readme_commands.
+README_COMMANDS = next(b for b in BLOCKS if b.page == "README.md")
 RUN = [b for b in BLOCKS if b.annotation is not None
        and not b.annotation.lstrip().startswith("output")]
 
@@ -65,7 +67,7 @@ def missing(needs: tuple[str, ...]) -> list[str]:
 def test_every_block_says_how_it_runs() -> None:
     problems = []
     for block in BLOCKS:
-        if block.snippets:
+        if block.snippets or block is README_COMMANDS:
             continue
         if block.annotation is None:
             problems.append(f"{block.id}: a ```{block.lang} block without a <!-- run: ... --> "
@@ -124,6 +126,20 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         html = (site / page / "index.html").read_text()
         assert anchor in html, f"{page}: {anchor} is missing"
     assert (site / "busbw.png").is_file()
+
+
+def test_readme_commands() -> None:
+    """The README opens with the two commands: install and run an example (whose ringflow-run
+    line parses), and install and run the suite, which is what CI runs, verbatim."""
+    assert README_COMMANDS.line == 3, "the README's first lines are its title and the commands"
+    first, second = README_COMMANDS.code.splitlines()
+    assert "ringflow-run -np 2 python examples/pytorch_mnist.py" in first
+    assert second in (ROOT / ".ci" / "run").read_text(), ".ci/run no longer runs the README's line"
+    from ringflow.runner import cli
+
+    for argv in doc_blocks.commands(README_COMMANDS.code):
+        if argv[0] == "ringflow-run":
+            assert not isinstance(cli._parse(argv[1:]), int), argv
 
 
 def test_readme_links_resolve() -> None:
