@@ -128,7 +128,9 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
         op: Average (default) or Sum.
         backward_passes_per_step: accumulate k local gradients between allreduces.
         average_aggregated_gradients: divide the k accumulated gradients by k.
-        num_groups, groups: which gradients are negotiated together (see the tape).
+        num_groups: split the gradients into this many groups negotiated together (see the
+            tape).
+        groups: which gradients are negotiated together, as lists of variables.
 
     Raises:
         ConfigError: backward_passes_per_step < 1, or gradient_predivide_factor with op != Average.

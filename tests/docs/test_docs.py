@@ -1,0 +1,220 @@
+"""The documentation site (issue 20): ``mkdocs build --strict`` succeeds without a warning, and
+every fenced code block of the pages is run as its comment says (the convention:
+tests/docs/doc_blocks.py and docs/contributing.md). A block without a run comment fails here, so
+a new block cannot escape."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import doc_blocks
+from doc_blocks import DOCS, ROOT, Block
+
+BLOCKS = doc_blocks.all_blocks()
+# The README's first block is the project's two commands, checked by test_readme_commands.
+README_COMMANDS = next(b for b in BLOCKS if b.page == "README.md")
+RUN = [b for b in BLOCKS if b.annotation is not None
+       and not b.annotation.lstrip().startswith("output")]
+
+
+def env(shims: Path) -> dict[str, str]:
+    """A clean worker environment: this checkout first on PYTHONPATH, and ``python`` /
+    ``ringflow-run`` on PATH meaning this interpreter (mpirun and torchrun: its neighbours)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RINGFLOW_")}
+    return {
+        **base,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])),
+        "PATH": os.pathsep.join([str(shims), str(Path(sys.executable).parent), base["PATH"]]),
+        "HOME": str(shims.parent / "home"),  # blocks may write ~/.ringflow
+        "OMP_NUM_THREADS": "1",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        # Open MPI refuses root unless asked; CI runs as root.
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    }
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A scratch directory that looks like the top of the checkout to a block (examples/ and
+    benchmarks/ are there), with the shims of :func:`env` in ``.bin`` and the blocks' HOME in
+    ``home``."""
+    for name in ("examples", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "home").mkdir()
+    shims = tmp_path / ".bin"
+    shims.mkdir()
+    (shims / "python").symlink_to(sys.executable)
+    launcher = shims / "ringflow-run"
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ringflow.runner "$@"\n')
+    launcher.chmod(0o755)
+    return tmp_path
+
+
+def missing(needs: tuple[str, ...]) -> list[str]:
+    return [n for n in needs if shutil.which(n) is None and find_spec(n) is None]
+
+
+def test_every_block_says_how_it_runs() -> None:
+    problems = []
+    for block in BLOCKS:
+        if block.snippets or block is README_COMMANDS:
+            continue
+        if block.annotation is None:
+            problems.append(f"{block.id}: a ```{block.lang} block without a <!-- run: ... --> "
+                            "comment on the line before it (see docs/contributing.md)")
+            continue
+        try:
+            run = doc_blocks.parse_run(block.annotation)
+        except ValueError as exc:
+            problems.append(f"{block.id}: {exc}")
+            continue
+        if run.mode in ("python", "ringflow-run") and block.lang != "python":
+            problems.append(f"{block.id}: run: {run.mode} needs a ```python block")
+        if run.mode == "bash" and block.lang not in ("bash", "sh"):
+            problems.append(f"{block.id}: run: bash needs a ```bash block")
+        if run.mode == "output" and not (ROOT / str(run.source)).is_file():
+            problems.append(f"{block.id}: run: output from={run.source}: no such file")
+    assert not problems, "\n".join(problems)
+    assert len(RUN) >= 10, "the pages lost their executed blocks"
+
+
+def test_included_files_are_run_by_the_suite() -> None:
+    """What a page includes is literally a file that a test outside tests/docs runs."""
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py")
+                      if "docs" not in p.relative_to(ROOT / "tests").parts)
+    included = {path for b in BLOCKS for path in b.snippets}
+    assert included, "no page includes an example any more"
+    for path in sorted(included):
+        assert (ROOT / path).is_file(), f"{path} is included by a page but does not exist"
+        if path.startswith("examples/"):
+            assert Path(path).name in tests, f"{path} is shown in the docs but no test runs it"
+
+
+@pytest.mark.timeout(300)
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs", reason="pip install -e '.[test]' installs the doc tools")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+         str(ROOT / "mkdocs.yml"), "--site-dir", str(site)],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert not re.search(r"^WARNING", output, re.M), output
+    # The API reference is generated from the docstrings, and the CLI reference from --help.
+    for page, anchor in [("reference/core", 'id="ringflow.allreduce"'),
+                         ("reference/torch", 'id="ringflow.torch.DistributedOptimizer"'),
+                         ("reference/tensorflow",
+                          'id="ringflow.tensorflow.DistributedGradientTape"'),
+                         ("reference/keras", 'id="ringflow.tensorflow.keras.DistributedOptimizer"'),
+                         ("reference/launcher", 'id="ringflow.launcher"'),
+                         ("reference/cli", "--nproc-per-node")]:
+        html = (site / page / "index.html").read_text()
+        assert anchor in html, f"{page}: {anchor} is missing"
+    assert (site / "busbw.png").is_file()
+
+
+def test_readme_commands() -> None:
+    """The README opens with the two commands: install and run an example (whose ringflow-run
+    line parses), and install and run the suite, which is what CI runs, verbatim."""
+    assert README_COMMANDS.line == 3, "the README's first lines are its title and the commands"
+    first, second = README_COMMANDS.code.splitlines()
+    assert "ringflow-run -np 2 python examples/pytorch_mnist.py" in first
+    assert second in (ROOT / ".ci" / "run").read_text(), ".ci/run no longer runs the README's line"
+    from ringflow.runner import cli
+
+    for argv in doc_blocks.commands(README_COMMANDS.code):
+        if argv[0] == "ringflow-run":
+            assert not isinstance(cli._parse(argv[1:]), int), argv
+
+
+def test_readme_links_resolve() -> None:
+    """The README is the entry point: every relative link it has names a file of the checkout."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\((?!https?://|#)([^)#\s]+)", text)
+    assert any(link.startswith("docs/") for link in links), "the README links no docs page"
+    for link in links:
+        assert (ROOT / link).exists(), f"README links {link}, which does not exist"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
+def test_block(block: Block, workdir: Path) -> None:
+    run = doc_blocks.parse_run(block.annotation or "")
+    if absent := missing(run.needs):
+        pytest.skip(f"{block.id} needs {', '.join(absent)}")
+    suffix = {"python": ".py", "bash": ".sh", "sh": ".sh"}.get(block.lang, f".{block.lang}")
+    script = workdir / f"block{suffix}"
+    script.write_text(block.code)
+    if run.mode == "parse":
+        parse(block, script)
+        if run.tested_by is not None:
+            runner = (ROOT / run.tested_by).read_text()
+            for example in set(re.findall(r"examples/[\w/.-]+", block.code)):
+                assert example in runner, f"{block.id}: {run.tested_by} does not run {example}"
+        return
+    argv = {
+        "python": ["python", script.name],
+        "ringflow-run": ["ringflow-run", *run.launcher_args, "python", script.name],
+        "bash": ["bash", "-euo", "pipefail", script.name],
+    }[run.mode]
+    try:
+        proc = subprocess.run(argv, cwd=workdir, env=env(workdir / ".bin"), capture_output=True,
+                              text=True, timeout=run.timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{block.id} did not finish in {run.timeout} s:\n{exc.stdout}\n{exc.stderr}")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{block.id} ({' '.join(argv)}) failed:\n{output[-4000:]}"
+    if run.expect is not None:
+        assert run.expect in output, f"{block.id}: {run.expect!r} not in its output:\n{output}"
+
+
+def parse(block: Block, script: Path) -> None:
+    """Check a block that needs machines the tests do not have, as far as it can be here."""
+    if block.lang in ("yaml", "yml"):
+        yaml = pytest.importorskip("yaml")
+        assert list(yaml.safe_load_all(block.code)), f"{block.id}: empty YAML"
+        return
+    assert block.lang in ("bash", "sh"), f"{block.id}: run: parse takes bash or yaml blocks"
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, f"{block.id}: {proc.stderr}"
+    from ringflow.runner import cli
+
+    for argv in doc_blocks.commands(block.code):
+        if argv[0] == "ringflow-run":
+            parsed = cli._parse(argv[1:])
+            assert not isinstance(parsed, int), f"{block.id}: ringflow-run rejects {argv}"
+
+
+def test_site_pages_are_all_in_the_nav() -> None:
+    """mkdocs warns (an error, strictly) about pages left out of the nav; say which here too,
+    where the build is skipped for want of mkdocs."""
+    yaml = pytest.importorskip("yaml")
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python/name:", ""))["nav"]
+
+    def files(entry: object) -> list[str]:
+        if isinstance(entry, str):
+            return [entry]
+        if isinstance(entry, list):
+            return [f for e in entry for f in files(e)]
+        if isinstance(entry, dict):
+            return [f for v in entry.values() for f in files(v)]
+        return []
+
+    listed = set(files(nav))
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
+    assert pages - listed == set(), f"pages not in mkdocs.yml's nav: {sorted(pages - listed)}"
