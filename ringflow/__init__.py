@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import logs as _logs
+from . import metrics as metrics  # ringflow.metrics.Accuracy after a plain `import ringflow`
 from .compression import Compression, Compressor
 from .config import Config
 from .errors import RingflowError

@@ -210,7 +210,7 @@ def _from_url(url: str, info: RankInfo, env: Mapping[str, str], timeout: float) 
                           "file:///PATH")
     # torchrun's agent already serves MASTER_PORT: its store is the only one there.
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and parsed.scheme == "env"
-    if agent or (_torch_importable() and not env.get("RINGFLOW_SECRET_FILE")):
+    if agent or (not env.get("RINGFLOW_SECRET_FILE") and _torch_importable()):
         from .rendezvous import torch_store
 
         return torch_store.open_url(host, port, info.rank, info.size, agent, _torch_prefix(env),

@@ -5,8 +5,8 @@ defaults and semantics follow Horovod 0.28 except where noted below.
 
 Differences from Horovod 0.28 (each one deliberate):
 
-- CPU tensors only until the NCCL transport lands; a CUDA tensor fails with a clear error on every
-  rank (not only the one that passed it), like every local validation error.
+- CUDA (any non-CPU) tensors are reduced on the device with NCCL where every rank has it, else
+  staged through host memory (DESIGN.md, Devices); none of the GPU path has run on a GPU yet.
 - bfloat16 and bool tensors are supported; non-contiguous tensors are copied (in-place operations
   copy the result back) instead of rejected; zero-size tensors work.
 - ``Compression.bf16`` exists; compression is done by the engine while it fuses (no temporaries).
