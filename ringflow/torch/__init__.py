@@ -137,6 +137,7 @@ from .mpi_ops import (
 )
 from .optimizer import DistributedOptimizer, OptimizerMisuseError
 from .p2p import P2PWork, irecv, isend, recv, send  # point to point (differentiable send/recv)
+from .process_group import ProcessGroupRingflow, register
 from .sampler import DistributedSampler
 from .sync_batch_norm import SyncBatchNorm
 
@@ -222,3 +223,7 @@ __all__ = [
 ]
 # point to point
 __all__ += ["P2PWork", "irecv", "isend", "recv", "send"]
+# torch.distributed's backend "ringflow" (ringflow.torch.process_group)
+__all__ += ["ProcessGroupRingflow"]
+
+register()
