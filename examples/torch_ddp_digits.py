@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--backend", default="ringflow")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args()
     torch.set_num_threads(1)
 

@@ -7,7 +7,8 @@ meeting through ``tcp://`` (1, 2 ranks) and ``file://`` (3 ranks). ``ddp_train.p
 DistributedDataParallel script written for gloo: on ringflow it must equal DDP on gloo (bit for
 bit at 2 ranks, where a sum of two has one order; within 1e-6 at 3, where gloo's ring adds in
 another order) and one process trained on the global batches (within 1e-6: float32 sums in
-another order). Every run has a deadline; a failure shows every rank's output.
+another order). The examples (DDP on digits under torchrun, the torch.distributed tour) run
+too. Every run has a deadline; a failure shows every rank's output.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ def passes(outs: Sequence[str], n: int, via: str) -> None:
 @pytest.mark.parametrize("n", [2, 3])
 def test_collectives_under_ringflow_run(n: int) -> None:
     passes(run_all([[*RINGFLOW_RUN, "-np", str(n), sys.executable, COLLECTIVES]]), n, "env")
+
+
+def test_backend_on_an_engine_started_by_hvd_init() -> None:
+    """``hvd.init()`` first: the backend uses that engine and leaves it running."""
+    passes(run_all([[*RINGFLOW_RUN, "-np", "2", sys.executable, COLLECTIVES,
+                     "--ringflow-first"]]), 2, "env")
 
 
 def test_collectives_under_torchrun() -> None:
@@ -179,3 +186,28 @@ def test_a_dead_peer_fails_the_survivors_work(tmp_path: Path) -> None:
     for r in (0, 2):
         line = next((s for s in outs[r].splitlines() if s.startswith("ERR")), outs[r])
         assert line.startswith(f"ERR rank {r} ") and "rank 1" in line, "\n".join(outs)
+
+
+def test_ddp_digits_example_under_torchrun_matches_gloo() -> None:
+    """The example is a gloo script with the backend's name changed: at 2 ranks both backends
+    print the same losses and accuracy (sums of two have one order)."""
+    pytest.importorskip("sklearn")
+    example = str(Path(ROOT) / "examples" / "torch_ddp_digits.py")
+    reports = []
+    for backend in ("ringflow", "gloo"):
+        out = run_all([[*TORCHRUN, "--standalone", "--nproc-per-node", "2", example,
+                        "--backend", backend]])[0]
+        lines = [s for s in out.splitlines() if s.startswith(("epoch ", "test accuracy"))]
+        assert lines and lines[-1].endswith(f"backend {backend}"), out[-4000:]
+        reports.append([s.replace(f"backend {backend}", "") for s in lines])
+    assert reports[0] == reports[1]
+    assert float(reports[0][-1].split()[2]) > 0.9, reports[0]
+
+
+@pytest.mark.parametrize("launch", ["torchrun", "ringflow-run"])
+def test_torch_distributed_tour_example(launch: str) -> None:
+    example = str(Path(ROOT) / "examples" / "torch_distributed_tour.py")
+    cmd = ([*TORCHRUN, "--standalone", "--nproc-per-node", "3", example] if launch == "torchrun"
+           else [*RINGFLOW_RUN, "-np", "3", sys.executable, example])
+    out = run_all([cmd])[0]
+    assert "tour done" in out and "all_reduce (SUM)" in out and "tensor([6., 6.])" in out, out

@@ -3,6 +3,7 @@
     python collectives.py                          # env:// (ringflow-run, torchrun)
     python collectives.py --init tcp://127.0.0.1:PORT --rank R --size N
     python collectives.py --init file:///tmp/x --rank R --size N
+    python collectives.py --ringflow-first         # hvd.init() before init_process_group
 
 Rank r contributes values built from r, so every result has a closed form in (n, r). Lengths
 cover 0, 1, odd and larger; dtypes the integer, float, half and bool families. Prints
@@ -339,8 +340,11 @@ def main() -> None:
     parser.add_argument("--init", default="env://")
     parser.add_argument("--rank", type=int)
     parser.add_argument("--size", type=int)
+    parser.add_argument("--ringflow-first", action="store_true")
     args = parser.parse_args()
     kwargs = {} if args.rank is None else {"rank": args.rank, "world_size": args.size}
+    if args.ringflow_first:
+        ringflow.torch.init()  # the backend then runs on this engine
     dist.init_process_group("ringflow", init_method=args.init,
                             timeout=datetime.timedelta(seconds=120), **kwargs)
     n, r = dist.get_world_size(), dist.get_rank()
@@ -348,8 +352,15 @@ def main() -> None:
        "ringflow runs as torch's rank and size")
     for part in (all_reduce, rooted, gathers, scatters, point_to_point, groups, errors):
         part(n, r)
+    # the trap of a literal port: Horovod-style allreduce averages, torch's all_reduce sums
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    expect(x, torch.full((2,), float(n)), "torch's all_reduce sums")
+    expect(ringflow.torch.allreduce(torch.ones(2)), torch.ones(2), "hvd.allreduce averages")
     dist.destroy_process_group()
-    ok(not ringflow.is_initialized(), "destroy_process_group shuts ringflow down")
+    ok(ringflow.is_initialized() == args.ringflow_first,
+       "destroy_process_group shuts ringflow down if (and only if) the backend started it")
+    ringflow.shutdown()
     print(f"PASS rank {r}/{n} {CHECKS[0]} checks via {args.init.split(':')[0]}", flush=True)
 
 
