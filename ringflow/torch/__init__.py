@@ -44,6 +44,9 @@ Differences from Horovod 0.28 (each one deliberate):
 - Point to point (not in Horovod): ``send`` / ``recv`` (differentiable: ``send`` returns a token
   to backpropagate through, the receiver's backward sends the gradient back; see
   :mod:`ringflow.torch.p2p`) and ``isend`` / ``irecv`` (torch.distributed's ``Work``).
+- torch.distributed's backend ``"ringflow"`` (not in Horovod): importing this module registers
+  it, and ``torch.distributed.init_process_group(backend="ringflow")`` runs torch's own API and
+  DistributedDataParallel on ringflow's engine (:mod:`ringflow.torch.process_group`).
 - ``elastic`` (Horovod's elastic training) is not provided: ringflow jobs do not resize.
   ``HostsUpdatedInterrupt`` exists for code that catches it and is never raised.
 
@@ -137,7 +140,6 @@ from .mpi_ops import (
 )
 from .optimizer import DistributedOptimizer, OptimizerMisuseError
 from .p2p import P2PWork, irecv, isend, recv, send  # point to point (differentiable send/recv)
-from .process_group import ProcessGroupRingflow, register
 from .sampler import DistributedSampler
 from .sync_batch_norm import SyncBatchNorm
 
@@ -223,7 +225,16 @@ __all__ = [
 ]
 # point to point
 __all__ += ["P2PWork", "irecv", "isend", "recv", "send"]
-# torch.distributed's backend "ringflow" (ringflow.torch.process_group)
-__all__ += ["ProcessGroupRingflow"]
 
-register()
+# torch.distributed's backend "ringflow" (ringflow.torch.process_group), where torch was built
+# with torch.distributed (some builds are not)
+def _register_backend() -> None:
+    import torch.distributed
+
+    if torch.distributed.is_available():
+        from . import process_group
+
+        process_group.register()
+
+
+_register_backend()

@@ -37,9 +37,10 @@ and ``gather`` need every rank's tensor to have the same number of elements (glo
 that differs fails the operation on every rank. Point to point is ringflow's (``ringflow.p2p``):
 a send completes when the receiver has the data (MPI's synchronous mode), messages of one
 (source, tag) arrive in order, tags of a sub-group never match the default group's, and a
-receive needs its source (``recv(src=None)`` raises NotImplementedError). Any operation that
-fails -- a mismatch, a tensor ringflow cannot move, a peer that died -- fails its Work, and
-``wait()`` raises the ringflow error (with the same class and text on every rank for collectives);
+receive needs its source (``recv(src=None)`` raises UnsupportedError, a NotImplementedError).
+Any operation that fails -- a mismatch, a tensor ringflow cannot move, a peer that died -- fails
+its Work, and ``wait()`` raises the ringflow error (the same class and text on every rank for
+collectives);
 nothing hangs past the engine's own limits (``RINGFLOW_TIMEOUT_S`` for a silent peer,
 ``RINGFLOW_DEADLOCK_SHUTDOWN_S`` for ranks waiting on each other) or the group's ``timeout``.
 
@@ -61,7 +62,7 @@ import torch.distributed as dist
 from .. import runtime, submission
 from .._adapter import Invalid
 from ..config import Config
-from ..errors import ConfigError, TensorError
+from ..errors import ConfigError, TensorError, UnsupportedError
 from ..negotiation import Request
 from ..ops import ReduceOp
 from ..p2p import start_recv, start_send
@@ -175,7 +176,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
 
     def _global(self, group_rank: int, what: str) -> int:
         if not 0 <= int(group_rank) < len(self._ranks):
-            raise ValueError(f"{what}: rank {group_rank} is not a rank of {self!r}")
+            raise TensorError(f"{what}: rank {group_rank} is not a rank of {self!r}")
         return self._ranks[int(group_rank)]
 
     def _work(self, name: str, handles: Sequence[Any],
@@ -541,14 +542,14 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         return self._work(name, [handle], lambda _: [], opts)
 
     def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> Work:
-        raise NotImplementedError("all_gather_coalesced (deprecated in torch) is not supported "
+        raise UnsupportedError("all_gather_coalesced (deprecated in torch) is not supported "
                                   "by the ringflow backend; use all_gather_into_tensor inside "
                                   "torch.distributed._coalescing_manager, or all_gather")
 
     # coalescing: torch.distributed._coalescing_manager(group, device) ---------------------------
     def _start_coalescing(self, device: Any = None) -> None:
         if self._coalesced is not None:
-            raise ValueError("the ringflow group is already coalescing")
+            raise ConfigError("torch.distributed._coalescing_manager blocks do not nest")
         self._coalesced = []
 
     def _end_coalescing(self, device: Any = None) -> Work:
@@ -579,7 +580,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         return self._work(f"recv from {src} tag {tag}", [handle], finish)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        raise NotImplementedError(
+        raise UnsupportedError(
             "recv / irecv without src (from any source) is not supported by the ringflow "
             "backend: ringflow matches messages per (source, tag); pass src=")
 
@@ -591,20 +592,20 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         set of ``ranks``; the members' group, None elsewhere.
 
         Raises:
-            ValueError: ``use_local_synchronization=True`` (only the members would call this,
+            ConfigError: ``use_local_synchronization=True`` (only the members would call this,
                 and ringflow adds a process set with every rank), or unsorted ranks
                 (``sort_ranks=False``: ringflow orders a set's ranks increasingly).
         """
         if self._ranks != list(range(len(self._ranks))):
-            raise ValueError("new_group is called on the default group only")
+            raise ConfigError("new_group is called on the default group only")
         label = str(group_name)
         if not label.isdigit():
-            raise ValueError(
+            raise ConfigError(
                 "new_group(use_local_synchronization=True) is not supported by the ringflow "
                 "backend: every rank of the default group must call new_group (the default)")
         ranks = [int(r) for r in ranks]
         if ranks != sorted(ranks):
-            raise ValueError(f"new_group(ranks={ranks}, sort_ranks=False): the ringflow backend "
+            raise ConfigError(f"new_group(ranks={ranks}, sort_ranks=False): the ringflow backend "
                              "orders a group's ranks increasingly; pass them sorted")
         whole = ranks == self._ranks
         ps = global_process_set if whole else add_process_set(ProcessSet(ranks))
@@ -634,13 +635,13 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupRingflow:
     engine as rank ``opts.group_rank`` of ``opts.group_size`` through ``opts.store``.
 
     Raises:
-        ValueError: a sub-group of a default group on another backend.
-        ConfigError: ringflow already runs as another rank or size.
+        ConfigError: a sub-group of a default group on another backend, or ringflow already
+            runs as another rank or size.
         PeerError / RingflowTimeoutError: the other ranks could not be reached in time.
     """
     rank, size = int(opts.group_rank), int(opts.group_size)
     if list(opts.global_ranks_in_group or []):
-        raise ValueError(
+        raise ConfigError(
             "new_group(backend='ringflow') under a default group of another backend is not "
             "supported: ringflow's sub-groups are process sets of its job; use "
             "init_process_group(backend='ringflow') and new_group(ranks)")
