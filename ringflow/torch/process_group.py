@@ -555,7 +555,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
     def _end_coalescing(self, device: Any = None) -> Work:
         works, self._coalesced = self._coalesced or [], None
         return Work(f"torch.{self._label}.coalesced", works,
-                    lambda values: [t for v in values for t in v], self._timeout_s)
+                    lambda _: [t for w in works for t in w.result()], self._timeout_s)
 
     # point to point -----------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Work:

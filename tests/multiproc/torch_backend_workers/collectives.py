@@ -97,6 +97,34 @@ def all_reduce(n: int, r: int) -> None:
         expect(f.wait(), torch.full((2,), 2.0 * n), "future.then")
 
 
+def coalesced(n: int, r: int) -> None:
+    """torch's coalescing manager: all_reduce, all_gather_into_tensor and reduce_scatter_tensor
+    blocks become one grouped ringflow operation; with a device, the block's Works become one."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    tri = n * (n + 1) // 2
+    for device in (None, torch.device("cpu")):
+        xs = [torch.full((k,), float(r + 1)) for k in (0, 1, 5)]
+        with _coalescing_manager(device=device, async_ops=True) as cm:
+            for x in xs:
+                dist.all_reduce(x)
+        cm.wait()
+        for x in xs:
+            expect(x, torch.full((x.numel(),), float(tri)), "coalesced all_reduce")
+        outs = [torch.empty(n * k) for k in (1, 3)]
+        with _coalescing_manager(device=device):
+            for k, out in zip((1, 3), outs, strict=True):
+                dist.all_gather_into_tensor(out, torch.full((k,), float(r)))
+        for k, out in zip((1, 3), outs, strict=True):
+            expect(out, torch.arange(n).repeat_interleave(k).float(), "coalesced all_gather")
+        outs = [torch.empty(k) for k in (2, 3)]
+        with _coalescing_manager(device=device):
+            for k, out in zip((2, 3), outs, strict=True):
+                dist.reduce_scatter_tensor(out, torch.full((n * k,), float(r + 1)))
+        for k, out in zip((2, 3), outs, strict=True):
+            expect(out, torch.full((k,), float(tri)), "coalesced reduce_scatter_tensor")
+
+
 def rooted(n: int, r: int) -> None:
     for q in range(n):
         for length in (0, 1, 7):
@@ -350,7 +378,7 @@ def main() -> None:
     n, r = dist.get_world_size(), dist.get_rank()
     ok(dist.get_backend() == "ringflow" and (ringflow.rank(), ringflow.size()) == (r, n),
        "ringflow runs as torch's rank and size")
-    for part in (all_reduce, rooted, gathers, scatters, point_to_point, groups, errors):
+    for part in (all_reduce, coalesced, rooted, gathers, scatters, point_to_point, groups, errors):
         part(n, r)
     # the trap of a literal port: Horovod-style allreduce averages, torch's all_reduce sums
     x = torch.ones(2)
