@@ -32,6 +32,7 @@ __all__ = [
     "ShutdownError",
     "StallError",
     "TensorError",
+    "UnsupportedError",
     "from_wire",
 ]
 
@@ -72,6 +73,11 @@ class MismatchError(HorovodInternalError, ValueError):
 class AdasumError(HorovodInternalError, NotImplementedError):
     """Adasum over a number of ranks that is not a power of two (Horovod raises
     NotImplementedError with the same text, at the call)."""
+
+
+class UnsupportedError(HorovodInternalError, NotImplementedError):
+    """An operation of a foreign API that ringflow does not implement (torch.distributed's
+    receive from any source, ...); raised at the call, on the calling rank."""
 
 
 class RingflowTimeoutError(RingflowError, TimeoutError):

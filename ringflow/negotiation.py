@@ -387,7 +387,12 @@ class Coordinator:
                 f"no tensor to send; use a root that has not called join()",
                 "TensorError",
             )
-        self.known[key] = dict(slot)
+        if entry.cacheable and (key in self.cache.bit_of
+                                or len(self.cache.key_of) < self.cache.capacity):
+            # Only a name that has (or may get) a cache bit is ever submitted as one. Keeping
+            # every name would grow without bound where names never repeat (unnamed tensors,
+            # torch.distributed's numbered collectives).
+            self.known[key] = dict(slot)
         if entry.rooted:
             first = slot[first.root]  # validated: a member, and every member names it
         if entry.shape == "rows":

@@ -77,7 +77,8 @@ def _state() -> tuple[Any, Any, Any]:
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
          rank: int | None = None, size: int | None = None, init_method: str | None = None,
-         local_rank: int | None = None, local_size: int | None = None) -> None:
+         local_rank: int | None = None, local_size: int | None = None,
+         store: Any = None) -> None:
     """Join the job that started this process: ringflow-run, mpirun, srun, torchrun, torch's
     env:// contract, a process where torch.distributed is initialised, ... (the detectors and
     where each finds its peers: ringflow.topology and ringflow.bootstrap).
@@ -93,6 +94,11 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
     MASTER_PORT; the default), ``"tcp://HOST:PORT"`` (rank 0's host and a free port there) or
     ``"file:///PATH"`` (a fresh directory every rank sees). ``local_rank``/``local_size``
     default to what the ranks' host names say.
+
+    ``store`` (with ``rank`` and ``size``, instead of ``init_method``) is a rendezvous store
+    that every rank of the job reaches and that holds no other job's keys: a
+    :class:`ringflow.rendezvous.Store`, e.g. :class:`ringflow.rendezvous.torch_store.TorchStore`
+    over the store torch.distributed hands a backend (:mod:`ringflow.torch.process_group`).
 
     Raises:
         ConfigError: a RINGFLOW_* variable, the launcher environment or an argument is invalid,
@@ -121,20 +127,27 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
             info = comm_info(comm)
         elif rank is not None or size is not None:
             info = topology.explicit(rank, size, local_rank, local_size)
+            if store is not None and init_method:
+                raise ConfigError("init(store=..., init_method=...): give one of them")
             init_method = init_method or "env://"
         else:
-            if init_method or local_rank is not None or local_size is not None:
-                raise ConfigError("init(init_method=..., local_rank=..., local_size=...) needs "
-                                  "rank= and size= too")
+            if (init_method or store is not None or local_rank is not None
+                    or local_size is not None):
+                raise ConfigError("init(init_method=..., store=..., local_rank=..., "
+                                  "local_size=...) needs rank= and size= too")
             info = topology.detect()
         generation = next(_generation)
-        prefix, store = f"init{generation}/", None
+        # A given store is this job's alone: its keys need no per-init() prefix (which would
+        # differ between ranks that called init() a different number of times before).
+        prefix = "" if store is not None else f"init{generation}/"
         if info.size == 1 and not info.placed:
             info = topology.place(info, [info.hostname])
         elif info.size > 1:
-            from .bootstrap import connect_store
+            if store is None:
+                from .bootstrap import connect_store
 
-            store = connect_store(info, config.timeout_s, comm=comm, init_method=init_method)
+                store = connect_store(info, config.timeout_s, comm=comm,
+                                      init_method=init_method)
             if not info.placed:
                 store.set(f"{prefix}host/{info.rank}", info.hostname.encode())
                 info = topology.place(info, [store.get(f"{prefix}host/{r}").decode()

@@ -45,6 +45,9 @@ Differences from Horovod 0.28 (each one deliberate):
   to backpropagate through, the receiver's backward sends the gradient back; see
   :mod:`ringflow.torch.p2p`) and ``isend`` / ``irecv`` (torch.distributed's ``Work``);
   MegEngine's ``remote_send`` / ``remote_recv`` are ``send`` / ``recv`` with tag 0.
+- torch.distributed's backend ``"ringflow"`` (not in Horovod): importing this module registers
+  it, and ``torch.distributed.init_process_group(backend="ringflow")`` runs torch's own API and
+  DistributedDataParallel on ringflow's engine (:mod:`ringflow.torch.process_group`).
 - ``elastic`` (Horovod's elastic training) is not provided: ringflow jobs do not resize.
   ``HostsUpdatedInterrupt`` exists for code that catches it and is never raised.
 
@@ -231,3 +234,17 @@ __all__ = [
 ]
 # point to point
 __all__ += ["P2PWork", "irecv", "isend", "recv", "remote_recv", "remote_send", "send"]
+
+
+# torch.distributed's backend "ringflow" (ringflow.torch.process_group), where torch was built
+# with torch.distributed (some builds are not)
+def _register_backend() -> None:
+    import torch.distributed
+
+    if torch.distributed.is_available():
+        from . import process_group
+
+        process_group.register()
+
+
+_register_backend()

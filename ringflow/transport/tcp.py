@@ -51,6 +51,9 @@ __all__ = ["TcpTransport", "create"]
 log = logging.getLogger(__name__)
 
 _HDR = struct.Struct("!BQ")
+#: How long a failed write waits for this peer's reader to reach the end of the stream, where a
+#: goodbye it has not read yet would be (see _Peer._send_failed). Only failed writes wait.
+_GOODBYE_GRACE_S = 5.0
 _DATA, _CTRL = 1, 2
 _RANK = struct.Struct("!Q")
 # The longest a connection to a data listener may take over its handshake and rank: peers answer
@@ -133,9 +136,22 @@ class _Peer:
                     work.finish()
                 return
         # fail() takes _send_ready itself: call it only after leaving the block above.
-        log.debug("sending to rank %d failed: %s", self.rank, failure)
-        self.fail(lost(self.rank))
-        raise self.error from failure
+        raise self._send_failed(failure) from failure
+
+    def _send_failed(self, exc: OSError) -> BaseException:
+        """The error of a write that failed, the peer failed with it. A peer that said goodbye
+        and closed has left (ShutdownError), it is not lost (PeerError, which fails the job):
+        its goodbye may still sit unread in the socket when this rank's reader thread is slow to
+        run (seen on a loaded 2-core host: the coordinator's plan to a rank that had left hit a
+        closed socket before the goodbye was read). The reader reads up to that end at once;
+        wait for it, a little."""
+        if threading.current_thread() is not self._reader:
+            self._reader.join(_GOODBYE_GRACE_S)
+        log.debug("sending to rank %d failed: %s", self.rank, exc)
+        error: RingflowError = (ShutdownError(f"rank {self.rank} has shut down") if self.departed
+                                else lost(self.rank))
+        self.fail(error)  # nothing if the reader failed the peer first
+        return self.error or error
 
     def _push(self, bufs: list[memoryview], flags: int) -> list[memoryview]:
         """Send as much of ``bufs`` as the socket takes; return what is left."""
@@ -163,9 +179,7 @@ class _Peer:
                 with self._send_lock:
                     self._push(bufs, 0)
             except OSError as exc:
-                log.debug("sending to rank %d failed: %s", self.rank, exc)
-                self.fail(lost(self.rank))
-                work.finish(self.error)
+                work.finish(self._send_failed(exc))
                 return
             with self._send_ready:
                 self._pushing = None

@@ -47,6 +47,8 @@ def test_synthetic_benchmark_reports_per_rank_and_total() -> None:
 
 def test_ddp_comparison_runs_in_one_go() -> None:
     out = run([sys.executable, "benchmarks/torch_ddp_vs_ringflow.py", "--models", "cnn",
-               "--batch-size", "8", "--num-iters", "1", "--num-batches-per-iter", "1"],
+               "--batch-size", "8", "--num-iters", "1", "--num-batches-per-iter", "1",
+               "--ddp-rounds", "1"],
               timeout=200)
     assert re.search(r"ringflow / DDP: [0-9.]+x", out), out
+    assert re.search(r"DDP\(ringflow\) / DDP\(gloo\): [0-9.]+x", out), out

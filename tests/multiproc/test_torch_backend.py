@@ -1,0 +1,213 @@
+"""torch.distributed's backend "ringflow" (ringflow/torch/process_group.py) with real processes.
+
+``torch_backend_workers/collectives.py`` runs torch's own API -- every collective in several
+lengths (0, 1, odd, large) and dtypes, async work, groups, point to point, errors -- with closed
+forms on every rank, started by ringflow-run (2, 3 ranks), by torchrun, and as plain processes
+meeting through ``tcp://`` (1, 2 ranks) and ``file://`` (3 ranks). ``ddp_train.py`` is a
+DistributedDataParallel script written for gloo: on ringflow it must equal DDP on gloo (bit for
+bit at 2 ranks, where a sum of two has one order; within 1e-6 at 3, where gloo's ring adds in
+another order) and one process trained on the global batches (within 1e-6: float32 sums in
+another order). The examples (DDP on digits under torchrun, the torch.distributed tour) run
+too. Every run has a deadline; a failure shows every rank's output.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ringflow  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
+WORKERS = Path(__file__).resolve().parent / "torch_backend_workers"
+COLLECTIVES = str(WORKERS / "collectives.py")
+DDP = str(WORKERS / "ddp_train.py")
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE")
+ENV = {**{k: v for k, v in os.environ.items()
+          if k not in _LAUNCHER_VARS and not k.startswith(("RINGFLOW_", "TORCHELASTIC_"))},
+       "OMP_NUM_THREADS": "1", "RINGFLOW_TIMEOUT_S": "30",
+       "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+RINGFLOW_RUN = [sys.executable, "-m", "ringflow.runner"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_all(commands: Sequence[Sequence[str]], timeout: float = 200) -> list[str]:
+    """Start every command at once, wait for all with one deadline (killing the rest when it
+    passes); fail with every output if one failed. Their outputs."""
+    procs = [subprocess.Popen(list(c), env=ENV, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+             for c in commands]
+    deadline = time.monotonic() + timeout
+    outs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+            out, _ = proc.communicate()
+            out += f"\n[killed at the {timeout:.0f} s deadline]"
+        outs.append(out)
+    text = "\n".join(outs)
+    assert all(p.returncode == 0 for p in procs), text[-8000:]
+    return outs
+
+
+def passes(outs: Sequence[str], n: int, via: str) -> None:
+    text = "\n".join(outs)
+    for r in range(n):
+        assert f"PASS rank {r}/{n} " in text and f"via {via}" in text, text[-6000:]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_under_ringflow_run(n: int) -> None:
+    passes(run_all([[*RINGFLOW_RUN, "-np", str(n), sys.executable, COLLECTIVES]]), n, "env")
+
+
+def test_backend_on_an_engine_started_by_hvd_init() -> None:
+    """``hvd.init()`` first: the backend uses that engine and leaves it running."""
+    passes(run_all([[*RINGFLOW_RUN, "-np", "2", sys.executable, COLLECTIVES,
+                     "--ringflow-first"]]), 2, "env")
+
+
+def test_collectives_under_torchrun() -> None:
+    passes(run_all([[*TORCHRUN, "--standalone", "--nproc-per-node", "2", COLLECTIVES]]), 2,
+           "env")
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_collectives_with_tcp_init_method(n: int) -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    passes(run_all([[sys.executable, COLLECTIVES, "--init", url, "--rank", str(r), "--size",
+                     str(n)] for r in range(n)]), n, "tcp")
+
+
+def test_collectives_with_file_init_method(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    passes(run_all([[sys.executable, COLLECTIVES, "--init", url, "--rank", str(r), "--size", "3"]
+                    for r in range(3)]), 3, "file")
+
+
+def load(out: Path, n: int) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"rank{r}.pt") for r in range(n)]
+
+
+def train(launch: list[str], backend: str, out: Path) -> list[dict[str, torch.Tensor]]:
+    out.mkdir()
+    run_all([[*launch, DDP, "--backend", backend, "--out", str(out)]])
+    n = int(launch[launch.index("--nproc-per-node" if "--nproc-per-node" in launch else "-np")
+                   + 1])
+    return load(out, n)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ddp_on_ringflow_equals_ddp_on_gloo_and_one_process(n: int, tmp_path: Path) -> None:
+    if n == 2:  # torchrun with a c10d rendezvous on 127.0.0.1
+        launch = [*TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    else:
+        launch = [*RINGFLOW_RUN, "-np", "3", sys.executable]
+    ours = train(launch, "ringflow", tmp_path / "ringflow")
+    if n == 2:
+        launch[-1] = f"127.0.0.1:{free_port()}"
+    gloo = train(launch, "gloo", tmp_path / "gloo")
+    run_all([[sys.executable, DDP, "--replay", str(n), "--out", str(tmp_path)]])
+    alone = torch.load(tmp_path / "replay.pt")
+    for key, value in alone.items():
+        for r in range(n):
+            assert torch.equal(ours[r][key], ours[0][key]), (key, r)  # ranks agree bit for bit
+        if n == 2:
+            assert torch.equal(ours[0][key], gloo[0][key]), key
+        else:
+            torch.testing.assert_close(ours[0][key], gloo[0][key], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours[0][key], value, rtol=0, atol=1e-6)
+    assert torch.equal(ours[0]["scale"], torch.ones(1))  # rank 0's buffer, broadcast by DDP
+
+
+def test_a_dead_peer_fails_the_survivors_work(tmp_path: Path) -> None:
+    """Rank 1 dies while rank 0 waits in an all_reduce and rank 2 in an irecv from it: both
+    waits raise (a ringflow error naming the failure), neither hangs."""
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        import torch, torch.distributed as dist
+        import ringflow.torch
+        rank = int(sys.argv[1])
+        dist.init_process_group("ringflow", init_method=sys.argv[2], rank=rank, world_size=3)
+        dist.all_reduce(torch.ones(1))
+        if rank == 1:
+            time.sleep(0.5)
+            os._exit(3)
+        work = (dist.all_reduce(torch.ones(4), async_op=True) if rank == 0
+                else dist.irecv(torch.empty(2), src=1))
+        start = time.monotonic()
+        try:
+            work.wait()
+            print("NO ERROR", flush=True)
+        except RuntimeError as exc:
+            print(f"ERR rank {rank} {type(exc).__name__} after "
+                  f"{time.monotonic() - start:.1f} s: {exc}", flush=True)
+        os._exit(0)
+    """))
+    url = f"file://{tmp_path / 'store'}"
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), url], env=ENV, cwd=ROOT,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True) for r in range(3)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, 9)
+            pytest.fail("a survivor hung:\n" + "\n".join(q.communicate()[0] for q in procs))
+    assert [p.returncode for p in procs] == [0, 3, 0], "\n".join(outs)
+    for r in (0, 2):
+        line = next((s for s in outs[r].splitlines() if s.startswith("ERR")), outs[r])
+        assert line.startswith(f"ERR rank {r} ") and "rank 1" in line, "\n".join(outs)
+
+
+def test_ddp_digits_example_under_torchrun_matches_gloo() -> None:
+    """The example is a gloo script with the backend's name changed: at 2 ranks both backends
+    print the same losses and accuracy (sums of two have one order)."""
+    pytest.importorskip("sklearn")
+    example = str(Path(ROOT) / "examples" / "torch_ddp_digits.py")
+    reports = []
+    for backend in ("ringflow", "gloo"):
+        out = run_all([[*TORCHRUN, "--standalone", "--nproc-per-node", "2", example,
+                        "--backend", backend]])[0]
+        lines = [s for s in out.splitlines() if s.startswith(("epoch ", "test accuracy"))]
+        assert lines and lines[-1].endswith(f"backend {backend}"), out[-4000:]
+        reports.append([s.replace(f"backend {backend}", "") for s in lines])
+    assert reports[0] == reports[1]
+    assert float(reports[0][-1].split()[2]) > 0.9, reports[0]
+
+
+@pytest.mark.parametrize("launch", ["torchrun", "ringflow-run"])
+def test_torch_distributed_tour_example(launch: str) -> None:
+    example = str(Path(ROOT) / "examples" / "torch_distributed_tour.py")
+    cmd = ([*TORCHRUN, "--standalone", "--nproc-per-node", "3", example] if launch == "torchrun"
+           else [*RINGFLOW_RUN, "-np", "3", sys.executable, example])
+    out = run_all([cmd])[0]
+    assert "tour done" in out and "all_reduce (SUM)" in out and "tensor([6., 6.])" in out, out
