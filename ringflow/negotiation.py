@@ -52,6 +52,10 @@ __all__ = ["CachedAllreduce", "Coordinator", "Request", "Response", "ResponseCac
 log = logging.getLogger(__name__)
 
 Key = tuple[int, str]  # (process set id, tensor name)
+#: Names that begin with this are used once (a library numbers them, e.g. torch.distributed's
+#: collectives on backend "ringflow"): the response cache never takes them, since its bits are
+#: never reassigned and such a name would hold one for good.
+ONCE = "once:"
 
 #: Largest allreduce (per tensor, and per fused plan item) that travels to the coordinator with
 #: its cache bit and comes back reduced in the plan. See benchmarks/engine_latency.py.
@@ -157,7 +161,7 @@ class ResponseCache:
             key = ref.key
             bit = self.bit_of.get(key)
             if bit is None:
-                if len(self.key_of) >= self.capacity:
+                if len(self.key_of) >= self.capacity or key[1].startswith(ONCE):
                     continue
                 bit = len(self.key_of)
                 self.bit_of[key] = bit
@@ -387,8 +391,8 @@ class Coordinator:
                 f"no tensor to send; use a root that has not called join()",
                 "TensorError",
             )
-        if entry.cacheable and (key in self.cache.bit_of
-                                or len(self.cache.key_of) < self.cache.capacity):
+        if entry.cacheable and not key[1].startswith(ONCE) and (
+                key in self.cache.bit_of or len(self.cache.key_of) < self.cache.capacity):
             # Only a name that has (or may get) a cache bit is ever submitted as one. Keeping
             # every name would grow without bound where names never repeat (unnamed tensors,
             # torch.distributed's numbered collectives).

@@ -63,7 +63,7 @@ from .. import runtime, submission
 from .._adapter import Invalid
 from ..config import Config
 from ..errors import ConfigError, TensorError, UnsupportedError
-from ..negotiation import Request
+from ..negotiation import ONCE, Request
 from ..ops import ReduceOp
 from ..p2p import start_recv, start_send
 from ..process_sets import ProcessSet, add_process_set, global_process_set
@@ -172,7 +172,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
 
     # helpers ------------------------------------------------------------------------------------
     def _name(self) -> str:
-        return f"torch.{self._label}.{next(self._seq)}"
+        return f"{ONCE}torch.{self._label}.{next(self._seq)}"  # never cached: never repeats
 
     def _global(self, group_rank: int, what: str) -> int:
         if not 0 <= int(group_rank) < len(self._ranks):

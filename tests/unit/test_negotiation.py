@@ -10,6 +10,7 @@ import pytest
 
 from ringflow.negotiation import (
     EAGER_BYTES,
+    ONCE,
     CachedAllreduce,
     Coordinator,
     Request,
@@ -170,6 +171,14 @@ def test_cache_capacity_limits_the_names_cached() -> None:
     assert cache.lookup(reqs[0]) == 0 and cache.lookup(reqs[2]) is None
     assert cache.lookup(ar("c0", 5)) is None  # a changed request goes in full
     assert ResponseCache(0).lookup(reqs[0]) is None
+
+
+def test_names_used_once_never_take_a_cache_bit():
+    cache = ResponseCache(4)
+    reqs = [ar(f"{ONCE}torch.pg0.{i}") for i in range(6)] + [ar("mine")]
+    cache.record(Response("allreduce", 0, tuple(reqs)), {r.key: r for r in reqs}.get)
+    assert cache.key_of == [reqs[-1].key]  # the user's name still gets the first bit
+    assert cache.lookup(reqs[0]) is None and cache.lookup(reqs[-1]) == 0
 
 
 def test_cached_names_take_the_fast_path() -> None:
