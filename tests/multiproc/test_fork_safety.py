@@ -37,11 +37,14 @@ FORKING = """
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
+        # rank() answers from the launcher's environment even before init() (as jt.rank does);
+        # what the child must not have is the parent's engine.
         try:
-            rf.rank()
+            rf.barrier()
             seen = b"a rank"
         except NotInitializedError:
             seen = b"no rank"
+        seen = seen if not rf.is_initialized() else b"a rank"
         os.write(write, seen)
         sys.exit(0)  # atexit handlers run now
     os.close(write)
