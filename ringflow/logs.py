@@ -51,10 +51,10 @@ def rank_label() -> str:
     try:
         from . import runtime
 
-        engine, info, _ = runtime._state()
+        _, info, _ = runtime._state()
     except Exception:  # a record logged while ringflow itself is being imported
-        engine = info = None
-    if engine is not None and info is not None:  # a job that has shut down is no rank's now
+        info = None
+    if info is not None:
         return f"rank {info.rank}/{info.size}"
     rank, size = os.environ.get("RINGFLOW_RANK"), os.environ.get("RINGFLOW_SIZE")
     if rank is not None:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from ringflow import logs
+from ringflow import logs, runtime
 from ringflow.testing import run_engines
 
 pytestmark = pytest.mark.timeout(30)
@@ -27,6 +27,7 @@ def isolated(monkeypatch, capsys):
     """A logger below ``ringflow`` that does not propagate to the root (where pytest's capture
     handler sits), so the fallback handler on ``ringflow`` is alone in its chain."""
     ringflow_logger = logging.getLogger("ringflow")
+    monkeypatch.setattr(runtime, "_info", None)  # an earlier test's job, shut down, is no rank's
     monkeypatch.setattr(ringflow_logger, "propagate", False)
     monkeypatch.setattr(ringflow_logger, "level", logging.DEBUG)
     return logging.getLogger("ringflow.test_logs"), _Err(capsys)
