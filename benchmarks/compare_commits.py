@@ -100,7 +100,7 @@ def measure(tree: Path, what: str) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("old")
+    p.add_argument("old", nargs="?")
     p.add_argument("new", nargs="?", default="HEAD")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--skip-ddp", action="store_true")
@@ -109,6 +109,8 @@ def main() -> None:
     if args.worker:
         worker(*args.worker)
         return
+    if args.old is None:
+        p.error("the old commit is required")
     whats = ["4 KiB p50 ms", "64 MiB @2 ms", "64 MiB @4 ms"]
     if not args.skip_ddp:
         whats.append("cnn samples/s")
