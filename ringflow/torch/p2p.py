@@ -41,34 +41,21 @@ from .. import _adapter as kit
 from ..errors import ShutdownError, TensorError
 from ..p2p import P2PHandle, start_recv, start_send
 from ._tensors import SUPPORTED, from_numpy, prepare, to_numpy
+from .mpi_ops import TorchHandle
 
 __all__ = ["P2PWork", "irecv", "isend", "recv", "remote_recv", "remote_send", "send"]
 
 log = logging.getLogger(__name__)
 
 
-class P2PWork:
+class P2PWork(TorchHandle):
     """A pending ``isend`` / ``irecv`` (torch.distributed's ``Work``): ``wait()`` returns None
     for a send, the received tensor for a receive, and raises the operation's error."""
 
-    __slots__ = ("_done", "_finish", "_result", "core")
-
-    def __init__(self, core: P2PHandle, finish: Callable[[Any], Any]) -> None:
-        self.core = core
-        self._finish = finish
-        self._done = False
-        self._result: Any = None
+    __slots__ = ()
 
     def is_completed(self) -> bool:
-        return self.core.is_completed()
-
-    poll = is_completed
-
-    def wait(self, timeout: float | None = None) -> Any:
-        if not self._done:
-            self._result = self._finish(self.core.wait(timeout))
-            self._done = True
-        return self._result
+        return self.poll()
 
     def __repr__(self) -> str:
         return f"<P2PWork {self.core!r}>"

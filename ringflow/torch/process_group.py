@@ -68,7 +68,7 @@ from ..ops import ReduceOp
 from ..p2p import start_recv, start_send
 from ..process_sets import ProcessSet, add_process_set, global_process_set
 from ..rendezvous.torch_store import TorchStore, _master_of
-from ._tensors import SUPPORTED, from_numpy, to_numpy
+from ._tensors import from_numpy, prepare
 from ._work import Work, as_seconds
 
 __all__ = ["BACKEND", "ProcessGroupRingflow", "register"]
@@ -96,19 +96,10 @@ def _reduce_op(opts: Any, what: str) -> tuple[ReduceOp, str]:
 def _array(tensor: Any, what: str) -> tuple[Any, torch.Tensor | None]:
     """(numpy array over a contiguous CPU copy-or-self of ``tensor``, that tensor), or
     (Invalid, None): the reason then fails the operation on every rank."""
-    if not isinstance(tensor, torch.Tensor):
-        return Invalid(f"{what} must be a torch.Tensor, got {type(tensor).__name__}"), None
-    if tensor.device.type != "cpu":
+    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
         return Invalid(f"{what} is on {tensor.device}; the ringflow torch.distributed backend "
                        "takes CPU tensors"), None
-    if tensor.dtype not in SUPPORTED or tensor.is_sparse:
-        kind = "a sparse tensor" if tensor.is_sparse else f"dtype {tensor.dtype}"
-        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED)
-        return Invalid(f"{what} has {kind}, which ringflow cannot move; supported: {names}"), None
-    t = tensor.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return to_numpy(t), t
+    return prepare(tensor, what)
 
 
 def _rows(arr: Any, rows: int = 1) -> Any:
