@@ -15,7 +15,7 @@
         ...
         return hvd.rank()
 
-    print(executor.run(train, args=[0.1]))   # [0, 1, 2, 3]: every rank's result, in rank order
+    results = executor.run(train, args=[0.1])  # [0, 1, 2, 3]: every rank's result, in rank order
     executor.shutdown()
 
 Each rank is a Ray actor with the environment that ``ringflow-run`` gives a worker (DESIGN.md

@@ -120,15 +120,17 @@ NEEDS_DIR = {"peer_exit": peer_exit, "peer_exit_midop": peer_exit_midop,
              "peer_frozen": peer_frozen}
 
 
-def main() -> None:
+def run_scenario(scenarios: dict[str, Any], needs_dir: dict[str, Any]) -> tuple[str, int, Path]:
+    """Run ``argv[1]``'s scenario after init() and write this rank's result to ``argv[2]``;
+    a failed check exits 3 with its text. Returns (scenario, rank, outdir)."""
     scenario, outdir = sys.argv[1], Path(sys.argv[2])
     rf.init()
     r, n = rf.rank(), rf.size()
     try:
-        if scenario in NEEDS_DIR:
-            result = NEEDS_DIR[scenario](r, n, outdir)
+        if scenario in needs_dir:
+            result = needs_dir[scenario](r, n, outdir)
         else:
-            result = SCENARIOS[scenario](r, n)
+            result = scenarios[scenario](r, n)
     except CheckFailed as exc:
         sys.stderr.write(f"rank {r}: {scenario}: {exc}\n")
         sys.stderr.flush()
@@ -136,6 +138,11 @@ def main() -> None:
     result["rank"] = r
     (outdir / f"{r}.json.tmp").write_text(json.dumps(result))
     os.replace(outdir / f"{r}.json.tmp", outdir / f"{r}.json")
+    return scenario, r, outdir
+
+
+def main() -> None:
+    scenario, r, outdir = run_scenario(SCENARIOS, NEEDS_DIR)
     if scenario == "peer_frozen" and r == 0:
         # The frozen rank would never exit; end it now that the survivors have reported.
         os.kill(int((outdir / "frozen.pid").read_text()), signal.SIGKILL)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from engine_worker import CheckFailed, check, failure, wait_failure  # same folder
+from engine_worker import CheckFailed, check, failure, run_scenario, wait_failure  # same folder
 
 import ringflow as rf
 from ringflow.errors import RingflowError
@@ -293,21 +292,7 @@ NEEDS_DIR = {"quiet": quiet, "peer_death": peer_death,
 
 
 def main() -> None:
-    scenario, outdir = sys.argv[1], Path(sys.argv[2])
-    rf.init()
-    r, n = rf.rank(), rf.size()
-    try:
-        if scenario in NEEDS_DIR:
-            result = NEEDS_DIR[scenario](r, n, outdir)
-        else:
-            result = SCENARIOS[scenario](r, n)
-    except CheckFailed as exc:
-        sys.stderr.write(f"rank {r}: {scenario}: {exc}\n")
-        sys.stderr.flush()
-        os._exit(3)
-    result["rank"] = r
-    (outdir / f"{r}.json.tmp").write_text(json.dumps(result))
-    os.replace(outdir / f"{r}.json.tmp", outdir / f"{r}.json")
+    run_scenario(SCENARIOS, NEEDS_DIR)
     rf.shutdown()  # no barrier first: point to point outlives rank 0's shutdown
 
 
