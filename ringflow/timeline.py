@@ -376,8 +376,9 @@ class TraceWriter:
 
     def _complete(self, pid: int, tid: int, name: str, start: float, end: float,
                   args: dict) -> None:
-        self._emit({"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": self._us(start),
-                    "dur": round(max(end - start, 0.0) * 1e6, 3), "args": args})
+        ts = self._us(start)  # the end rounded as the start is: adjacent spans never overlap
+        self._emit({"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": ts,
+                    "dur": round(max(self._us(end) - ts, 0.0), 3), "args": args})
 
     def _instant(self, pid: int, tid: int, name: str, t: float, args: dict) -> None:
         self._emit({"name": name, "ph": "i", "s": "t", "pid": pid, "tid": tid, "ts": self._us(t),

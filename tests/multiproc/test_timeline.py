@@ -64,13 +64,14 @@ def check_trace_events(events: list[dict]) -> None:
             assert e["dur"] >= 0, e
             rows[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
     assert all(d == 0 for d in depth.values()), depth
+    tol = 0.01  # us: ten times the timestamps' resolution, for sums of rounded floats
     for row, spans in rows.items():
         spans.sort(key=lambda s: (s[0], -s[1]))
         stack: list[float] = []
         for start, end in spans:
-            while stack and stack[-1] <= start + 1e-3:
+            while stack and stack[-1] <= start + tol:
                 stack.pop()
-            assert not stack or end <= stack[-1] + 1e-3, f"{row}: {start}-{end} overlaps"
+            assert not stack or end <= stack[-1] + tol, f"{row}: {start}-{end} overlaps"
             stack.append(end)
 
 
