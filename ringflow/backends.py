@@ -54,6 +54,7 @@ from .algorithms.reduction import Reduction, scale_only
 from .algorithms.shm import ShmAllreduce, available
 from .devices.host import HOST
 from .errors import ConfigError, ShutdownError
+from .lane import Lane
 from .ops import BFLOAT16, ReduceOp
 from .transport.base import Link, NativeAllreduce, Subset, Transport, data_wait_s
 
@@ -244,6 +245,8 @@ class Backends:
     transport: Transport
     allreduce: tuple[AllreduceImpl, ...]
     shm: ShmAllreduce | None = None
+    #: the same-host lane of small operations (every rank of the job on this host)
+    lane: Lane | None = None
     #: how long the data plane waits for a device (RINGFLOW_TIMEOUT_S)
     timeout_s: float = 30.0
     _staged: dict[int, HostStaging] = dataclasses.field(default_factory=dict)
@@ -338,7 +341,9 @@ def shared_memory(rank: int, size: int, store: Any, config: Any, prefix: str = "
     if size > local_size:
         cross = Subset(link, list(range(local_rank, size, local_size)))
         return _over(link, shm, (Hierarchical(shm, cross),))
-    return _over(link, shm, (SharedMemory(shm),))
+    backends = _over(link, shm, (SharedMemory(shm),))
+    backends.lane = shm.open_lane()
+    return backends
 
 
 def connect(info: Any, store: Any, config: Any, prefix: str, comm: Any = None) -> Backends:

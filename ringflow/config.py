@@ -100,6 +100,10 @@ class Config:
     #: (ringflow-run's default, as mpirun binds by default): ``core`` where that is safe
     #: (:func:`ringflow.topology.auto_binding`), else ``none``.
     bind_to: str = "none"
+    #: How long a small cached allreduce posted on the same-host lane (:mod:`ringflow.lane`; every
+    #: rank on one host, shared memory) waits for the other ranks to post it before it goes to
+    #: the coordinator as any operation does; 0 turns the lane off.
+    lane_wait_us: int = 500
     #: Faults to inject, for tests (``ringflow.fault``: rank, protocol point, action); empty:
     #: none, and no cost.
     fault: str = ""
@@ -115,6 +119,7 @@ class Config:
             "deadlock_shutdown_s": self.deadlock_shutdown_s >= 0,
             "log_level": self.log_level.lower() in ("debug", "info", "warning", "error"),
             "bind_to": self.bind_to in ("none", "core", "auto"),
+            "lane_wait_us": self.lane_wait_us >= 0,
         }
         for name, ok in checks.items():
             if not ok:

@@ -63,7 +63,7 @@ from .backends import Backends
 from .collectives import collective
 from .config import Config
 from .errors import RingflowError, ShutdownError, from_wire
-from .executor import Entry, Executor, eager_input, unpack
+from .executor import Entry, Executor, eager_input, output_of, unpack
 from .handles import Handle
 from .liveness import Liveness
 from .messages import (
@@ -80,6 +80,7 @@ from .messages import (
     encode,
 )
 from .negotiation import CachedAllreduce, Coordinator, Request, Response, ResponseCache
+from .ops import ReduceOp
 from .p2p import PointToPoint
 from .timeline import Timeline, answer_probe
 
@@ -125,8 +126,10 @@ class Engine:
         self._early_submits: list[tuple[int, Submit]] = []  # before this rank took over
         # collectives: plan items completed (fused tensors count once); eager: those of them that
         # rank 0 reduced itself (see negotiation.EAGER_BYTES).
+        # lane: of them, those that took the same-host lane (ringflow.lane).
         self.stats = {"collectives": 0, "tensors": 0, "bits_sent": 0, "requests_sent": 0,
-                      "eager": 0}
+                      "eager": 0, "lane": 0}
+        self.lane = backends.lane if size > 1 and config.lane_wait_us > 0 else None
         # Everything below is control state, guarded by _lock, except _inbox (the engine
         # thread's queue) and _fatal (written by the engine thread only).
         self._lock = threading.RLock()
@@ -138,6 +141,7 @@ class Engine:
         self._submitted: dict[Key, Request] = {}
         # Plan items for the engine thread, in plan order: (item, entries, data plane?, result).
         self._ready: collections.deque[tuple[Response, list, bool, Any]] = collections.deque()
+        self._posted: tuple[Entry, float] | None = None  # on the lane: (entry, withdraw by)
         self._fatal: BaseException | None = None
         self._failure: tuple[BaseException, bool] | None = None  # to act on: (error, report)
         # Written by reader and heartbeat threads: the job's error as the coordinator announced
@@ -209,15 +213,83 @@ class Engine:
             entries = [Entry(r, a, o, Handle(r.name, spin)) for r, a, o in items]
             if busy:
                 # The engine thread batches what arrives meanwhile into one submission.
+                self._going_normal()
                 for entry in entries:
                     self._queued.add(entry.request.key)
                     self._inbox.put((Wake.ENQUEUE, entry))
-            else:
+            elif not (len(entries) == 1 and self._post(entries[0])):
+                self._going_normal()
                 try:
                     self._submit_entries(entries)  # idle: no reason to wake another thread
                 except Exception as exc:  # the engine thread fails the job (and these entries)
                     self._inbox.put((Wake.ERROR, exc))
         return [entry.handle for entry in entries]
+
+    # the same-host lane (ringflow.lane) --------------------------------------------------------
+    def _post(self, entry: Entry) -> bool:
+        """Post ``entry`` on the lane if it may take it (under the lock, the engine idle)."""
+        lane, req = self.lane, entry.request
+        if (lane is None or req.process_set != 0 or req.group or req.error
+                or self._timeline is not None or lane.others_busy()):
+            return False
+        bit = self.cache.lookup(req)
+        data = None if bit is None else eager_input(entry)
+        if data is None:
+            return False
+        deadline = time.perf_counter() + self.config.lane_wait_us * 1e-6
+        lane.set_busy(False)
+        if not lane.post(bit, data, deadline):
+            return False
+        self._pending[req.key] = entry
+        self._posted = (entry, deadline)
+        entry.handle._drive = self._drive
+        self._lane_step()  # this post may have committed every rank's
+        return True
+
+    def _drive(self) -> bool:
+        """Move the posted operation on (its waiter, poll() and the engine thread call this);
+        True while it is still posted."""
+        with self._control():
+            return self._lane_step()
+
+    def _lane_step(self) -> bool:
+        if self._posted is None:
+            return False
+        entry, deadline = self._posted
+        lane, req = self.lane, entry.request
+        if not lane.committed():
+            if not (lane.hopeless() or self._refuse is not None
+                    or time.perf_counter() > deadline):
+                return True
+            if lane.withdraw():  # to the coordinator, as any operation
+                self._posted = None
+                self._going_normal()
+                self._submit_entries([entry])
+                return False
+        self._posted = None
+        out = output_of(entry, req)
+        flat = out.reshape(-1)
+        wire = req.wire_dtype
+        result = flat if flat.dtype == wire else np.empty(flat.size, wire)
+        lane.reduce(result, ReduceOp(req.reduce_op), req.postscale)
+        if result is not flat:
+            np.copyto(flat, result, casting="unsafe")  # decompresses, as unpack() does
+        self._pending.pop(req.key, None)
+        for stat in ("collectives", "tensors", "lane"):
+            self.stats[stat] += 1
+        self._done(entry.handle, out)
+        self._maybe_idle()
+        return False
+
+    def _going_normal(self) -> None:
+        """This rank is about to have operations with the coordinator: no rank waits for it on
+        the lane meanwhile."""
+        if self.lane is not None:
+            self.lane.set_busy(True)
+
+    def _maybe_idle(self) -> None:
+        if self.lane is not None and not (self._pending or self._queued or self._closed):
+            self.lane.set_busy(False)
 
     def shutdown(self) -> None:
         """Fail what is pending, stop the threads, and close the transport (with a goodbye)."""
@@ -349,6 +421,7 @@ class Engine:
             try:
                 with self._control():
                     stop, departed = self._step(items)
+                    self._lane_step()
                 self._run_ready()
             except RingflowError as exc:
                 self._note_failure(exc)
@@ -563,6 +636,10 @@ class Engine:
             if self._refuse is None:
                 self._refuse = error
             self._closed = True
+            self._going_normal()  # for good: no rank waits for this one on the lane
+            if self._posted is not None:
+                self.lane.withdraw()
+                self._posted = None
             self._ready.clear()
             pending, self._pending = self._pending, {}
             for entry in pending.values():
@@ -720,6 +797,7 @@ class Engine:
                 if tl is not None:
                     tl.completed(r.key, resp.kind, len(entries))
                 self._done(entry.handle, value)
+        self._maybe_idle()
 
 
 def _clone(error: BaseException) -> BaseException:

@@ -40,7 +40,7 @@ from .negotiation import EAGER_BYTES, Request, Response
 from .ops import DTYPES, ReduceOp, scale_into
 from .transport.base import Link, Subset
 
-__all__ = ["Entry", "Executor", "eager_input", "unpack"]
+__all__ = ["Entry", "Executor", "eager_input", "output_of", "unpack"]
 
 
 class Entry:
@@ -139,7 +139,7 @@ class Executor:
         if entry is None:  # a joined rank relays the root's data (the root has not joined)
             out = np.empty(req.shape, DTYPES[req.dtype])
         else:
-            out = _output(entry, req)
+            out = output_of(entry, req)
             if out is not entry.array:
                 np.copyto(out, entry.array)
         algorithms.broadcast(t, out.reshape(-1), self._root(item))
@@ -193,7 +193,7 @@ class Executor:
         e0 = entries[0]
         if (len(refs) == 1 and e0 is not None and e0.array is not None
                 and ns.dtype(e0.array) == wire):
-            result = _output(e0, ref, ns)
+            result = output_of(e0, ref, ns)
             out, src = ns.flat(result), ns.flat(e0.array)
             if ref.prescale != 1.0:
                 view = impl.input_view(total, wire)
@@ -271,7 +271,8 @@ if _MISSING:  # a collective in the table that the executor cannot run, or the o
     raise ImportError(f"ringflow.executor and ringflow.collectives disagree on {_MISSING}")
 
 
-def _output(entry: Entry, req: Request, ns: ArrayNamespace = HOST) -> Any:
+def output_of(entry: Entry, req: Request, ns: ArrayNamespace = HOST) -> Any:
+    """Where the result of ``entry`` goes: its given output, or a new array like its input."""
     if entry.out is not None:
         return entry.out
     if entry.array is None:
@@ -310,7 +311,7 @@ def unpack(result: Any, refs: tuple[Request, ...], entries: list[Entry | None],
         if entry is None:
             outs.append(None)
         else:
-            out = _output(entry, r, ns)
+            out = output_of(entry, r, ns)
             ns.copy(ns.flat(out), result[offset:offset + n])
             outs.append(out)
         offset += n

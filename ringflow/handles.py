@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class Handle:
-    __slots__ = ("_callbacks", "_done", "_error", "_lock", "_spin", "_value", "name")
+    __slots__ = ("_callbacks", "_done", "_drive", "_error", "_lock", "_spin", "_value", "name")
 
     def __init__(self, name: str, spin: float = 0.0) -> None:
         self.name = name
@@ -32,6 +32,9 @@ class Handle:
         # instead of 0.25, 2 ranks, benchmarks/engine_latency.py). Polling calls sched_yield,
         # which releases the GIL and the core to anything else that needs them.
         self._spin = spin
+        # Set by the engine for an operation posted on the same-host lane (ringflow.lane): the
+        # waiter moves it on itself; True while it is still posted.
+        self._drive: Callable[[], bool] | None = None
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._value: Any = None
@@ -40,6 +43,8 @@ class Handle:
 
     def poll(self) -> bool:
         """True once the operation finished (successfully or not)."""
+        if self._drive is not None and not self._done.is_set():
+            self._drive()
         return self._done.is_set()
 
     def is_completed(self) -> bool:
@@ -48,6 +53,9 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done and return the result; raise the operation's error if it failed."""
+        if self._drive is not None:
+            while not self._done.is_set() and self._drive():
+                os.sched_yield()
         if self._spin and not self._done.is_set():
             end = time.perf_counter() + min(self._spin, timeout if timeout is not None else 1.0)
             while not self._done.is_set() and time.perf_counter() < end:

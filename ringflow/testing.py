@@ -217,7 +217,7 @@ def run_engines(
         t = world.transport(rank)
         if shm:
             local = ShmAllreduce(rank, n, store, "engines/", timeout, t.check_peers)
-            backends = Backends(t, (SharedMemory(local), Ring()), local)
+            backends = Backends(t, (SharedMemory(local), Ring()), local, local.open_lane())
         else:
             backends = Backends(t, (Ring(),))
         try:

@@ -62,6 +62,17 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
     # own input): writing parts[0] there first would destroy that part before it is read.
     stream = (hi - lo) * dtype.itemsize >= STREAM_BYTES
     per = chunk_elems(8 if scale_ints else acc_dtype.itemsize) // (1 if stream else 2) or 1
+    if (hi - lo <= per and not (wide or stream or scale_ints) and mirror is None
+            and not any(np.may_share_memory(dst, p) for p in parts)):
+        # One block into a dst apart from every part (small tensors: the eager path and the
+        # lane): what the loop below does, without its set-up (10 us -> 2 us at 4 KiB).
+        tmp = dst[lo:hi]
+        np.copyto(tmp, parts[0][lo:hi])
+        for part in parts[1:]:
+            combine(tmp, part[lo:hi], out=tmp, casting="unsafe")
+        if factor != 1.0:
+            np.multiply(tmp, factor, out=tmp, casting="unsafe")
+        return
     if len(parts) == 2 and np.may_share_memory(dst, parts[1]):
         parts = parts[::-1]  # two operands commute exactly (every op here); reduce in place
     acc = None

@@ -96,6 +96,9 @@ import numpy as np
 
 from .. import fault
 from ..errors import PeerError, RingflowTimeoutError, SharedMemoryError
+from ..lane import LINE as _LINE
+from ..lane import Lane
+from ..negotiation import EAGER_BYTES
 from ..ops import ReduceOp, check_dtype
 from .buffers import chunk_elems, chunk_ranges, even_split
 from .local import reduce_parts
@@ -185,9 +188,10 @@ def _read_from(pid: int, addr: int, dst: np.ndarray) -> int:
 class _Mapping:
     """A file in /dev/shm mapped into memory; the owner creates it, peers open it."""
 
-    def __init__(self, path: str, size: int, create: bool) -> None:
+    def __init__(self, path: str, size: int, create: bool, keep_fd: bool = False) -> None:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
+        self.fd = -1  # kept open (for flock) only when asked
         try:
             if create:
                 try:
@@ -199,10 +203,16 @@ class _Mapping:
                     raise
             self.map = mmap.mmap(fd, size)
         finally:
-            os.close(fd)
+            if keep_fd:
+                self.fd = fd
+            else:
+                os.close(fd)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
 
     def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.array = np.empty(0, np.uint8)
         with contextlib.suppress(BufferError):  # a view is still alive; the GC will unmap it
             self.map.close()
@@ -233,6 +243,7 @@ class ShmAllreduce:
         self._capacity = 0  # bytes per half
         self._segs: list[_Mapping] = []
         self._flags: list[_Mapping] = []
+        self._lane: list[_Mapping] = []
         self._words: list[np.ndarray] | None = None
         self._flags = self._attach("f", _FLAG_BYTES, _FLAG_BYTES)
         self._words = [np.frombuffer(f.map, dtype=np.int64) for f in self._flags]
@@ -275,10 +286,12 @@ class ShmAllreduce:
     def _path(self, kind: str, rank: int) -> str:
         return f"{_SHM_DIR}/{self._name}_{kind}{self._gen}_{rank}"
 
-    def _attach(self, kind: str, size: int, nbytes: int) -> list[_Mapping]:
+    def _attach(self, kind: str, size: int, nbytes: int, lock: bool = False) -> list[_Mapping]:
         """Create this rank's segment of ``size`` bytes (its memory reserved) for an allreduce of
         ``nbytes``, agree with every local rank that all reservations succeeded, map every
-        rank's segment, then unlink this rank's name.
+        rank's segment, then unlink this rank's name. With ``lock``, the mapping of local rank
+        0's segment keeps its file open (every rank's own open file: :mod:`ringflow.lane` locks it
+        with ``flock``).
 
         Raises:
             SharedMemoryError: some rank could not reserve its segment (on every local rank,
@@ -300,7 +313,10 @@ class ShmAllreduce:
                 if mine is not None:
                     mine.close()
                 raise self._shortfall(failed, outcomes, size, nbytes)
-            maps = [mine if r == self.rank else _Mapping(self._path(kind, r), size, create=False)
+            if lock and self.rank == 0 and mine is not None:
+                mine.fd = os.open(self._path(kind, 0), os.O_RDWR)
+            maps = [mine if r == self.rank else
+                    _Mapping(self._path(kind, r), size, create=False, keep_fd=lock and r == 0)
                     for r in range(self.size)]
             self._agree(f"{kind}{gen}/attached", None)
         except BaseException:
@@ -494,11 +510,17 @@ class ShmAllreduce:
             if b > a and not (k == self.rank and (in_place or mirrored)):
                 np.copyto(out[a:b], halves[k][a:b])
 
+    def open_lane(self) -> Lane:
+        """The small-operation lane of these ranks (:mod:`ringflow.lane`): one header line and
+        ``EAGER_BYTES`` of data per rank, beside the flag lines. Every local rank calls it."""
+        self._lane = self._attach("l", _LINE + EAGER_BYTES, _LINE + EAGER_BYTES, lock=True)
+        return Lane(self.rank, self._lane, self._lane[0].fd, self.timeout)
+
     def close(self) -> None:
-        for seg in self._segs + self._flags:
+        for seg in self._segs + self._flags + self._lane:
             seg.close()
-        self._segs, self._flags = [], []
+        self._segs, self._flags, self._lane = [], [], []
         # Names a rank killed while creating its segments left (no-ops otherwise).
         for r in range(self.size):
-            for kind in ("f0", f"d{self._gen}", f"d{self._gen + 1}"):
+            for kind in ("f0", "l0", f"d{self._gen}", f"d{self._gen + 1}"):
                 _unlink(f"{_SHM_DIR}/{self._name}_{kind}_{r}")

@@ -115,9 +115,41 @@ def peer_frozen(r: int, n: int, outdir: Path) -> dict[str, Any]:
                                      timeout=60)}
 
 
-SCENARIOS = {"shutdown_pending": shutdown_pending, "shutdown_early": shutdown_early}
+# the same-host lane (ringflow.lane) -------------------------------------------------------------
+def lane(r: int, n: int) -> dict[str, Any]:
+    """Synchronous 4 KiB allreduces of one cached name, each checked on every rank."""
+    want = np.full(1024, n * (n + 1) / 2, np.float32)
+    for i in range(300):
+        got = rf.allreduce(np.full(1024, r + 1.0, np.float32), name="lane.x", op=rf.Sum)
+        check(np.array_equal(got, want), f"op {i}: {got[:3]}")
+    return {"stats": rf.stats()}
+
+
+def lane_peer_exit(r: int, n: int, outdir: Path) -> dict[str, Any]:
+    """The last rank exits; the others submit a cached small name (posted on the lane)."""
+    for _ in range(3):
+        rf.allreduce(np.ones(2), name="lp.x")
+    if r == n - 1:
+        (outdir / f"{r}.json").write_text(json.dumps({"rank": r, "exited": True}))
+        os._exit(0)
+    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="lp.x")}
+
+
+def lane_peer_frozen(r: int, n: int, outdir: Path) -> dict[str, Any]:
+    for _ in range(3):
+        rf.allreduce(np.ones(2), name="lf.x")
+    if r == n - 1:
+        (outdir / "frozen.pid").write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return {"resumed": True}
+    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="lf.x", timeout=60)}
+
+
+SCENARIOS = {"shutdown_pending": shutdown_pending, "shutdown_early": shutdown_early,
+             "lane": lane}
 NEEDS_DIR = {"peer_exit": peer_exit, "peer_exit_midop": peer_exit_midop,
-             "peer_frozen": peer_frozen}
+             "peer_frozen": peer_frozen, "lane_peer_exit": lane_peer_exit,
+             "lane_peer_frozen": lane_peer_frozen}
 
 
 def run_scenario(scenarios: dict[str, Any], needs_dir: dict[str, Any]) -> tuple[str, int, Path]:
@@ -143,7 +175,7 @@ def run_scenario(scenarios: dict[str, Any], needs_dir: dict[str, Any]) -> tuple[
 
 def main() -> None:
     scenario, r, outdir = run_scenario(SCENARIOS, NEEDS_DIR)
-    if scenario == "peer_frozen" and r == 0:
+    if scenario in ("peer_frozen", "lane_peer_frozen") and r == 0:
         # The frozen rank would never exit; end it now that the survivors have reported.
         os.kill(int((outdir / "frozen.pid").read_text()), signal.SIGKILL)
     rf.shutdown()

@@ -1,0 +1,143 @@
+"""The same-host lane: small cached allreduces without the coordinator, a socket or a thread.
+
+When every rank of the job is on one host (the shared-memory transport), an allreduce of at most
+``EAGER_BYTES`` whose request the response cache knows unchanged, submitted while this rank's
+engine has nothing else in flight, is **posted** here instead of being sent to rank 0: the rank
+copies its prescaled contribution (the wire dtype, as the eager path sends it) into its slot of
+a shared segment and marks the slot POSTED with the name's cache bit. The rank whose post finds
+every rank POSTED with the same bit **commits** them all at once. Every rank then reduces the
+slots itself, in rank order with :func:`~ringflow.algorithms.local.reduce_parts`: the arithmetic
+of the coordinator's eager path, so the bits are the same whichever path an operation took.
+A 4 KiB allreduce at 2 ranks then costs the submitting thread's own work and a wait for the
+other rank, with no thread wake-up and no round trip over a socket.
+
+**Never a different answer, never a new wait.** A post is only a proposal. The rank withdraws
+it and submits the operation to the coordinator as usual (the engine's normal path, with every
+check, mismatch report, stall report and failure verdict it has) when
+
+* another rank has operations in flight on the normal path (its ``BUSY`` word), or posted a
+  different name: the ranks submit in different orders, so the coordinator orders them;
+* the other ranks have not all posted within ``lane_wait_us`` (a rank that computes, or waits
+  elsewhere, or died): a post never waits longer than that.
+
+Commit and withdrawal take one ``flock`` on local rank 0's segment, so a post is either committed
+(every rank's, at once) or withdrawn, never both. A bit names one validated request on every
+rank (:class:`~ringflow.negotiation.ResponseCache`: bits are never reassigned), so equal bits
+mean equal names, dtypes, shapes, ops and scale factors: the checks the coordinator made when it
+cached the name. A rank posts only while it has nothing else in flight, so the operations that
+commit together are the same instance of the name on every rank (an earlier instance completed
+everywhere: its completion needed every rank's contribution).
+
+**Slots.** Each rank's slot is one 64-byte header line (``STATE``, ``BIT``, ``GEN``: the commit
+this rank's post belongs to, ``READ``: the last commit whose slots it has finished reading,
+``BUSY``; local rank 0's line also holds ``COMMITS``) and ``EAGER_BYTES`` of data. A rank writes
+its data only after every rank has read its previous committed data (``READ``), so no rank
+reads a slot while its owner rewrites it. On x86 (total store order) a rank that sees its slot
+COMMITTED reads the others' data directly; elsewhere it takes the lock once first, for the
+memory ordering.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import platform
+import time
+
+import numpy as np
+
+from .algorithms.local import reduce_parts
+from .ops import ReduceOp
+
+__all__ = ["LINE", "Lane"]
+
+#: Bytes of a slot's header line (one cache line).
+LINE = 64
+_STATE, _BIT, _GEN, _READ, _BUSY, _COMMITS = range(6)  # words of a header line
+EMPTY, POSTED, COMMITTED = 0, 1, 2
+_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+class Lane:
+    """This rank's view of the lane of ``len(maps)`` ranks (local rank = global rank)."""
+
+    def __init__(self, rank: int, maps: list, lock_fd: int, timeout: float) -> None:
+        self.rank = rank
+        self.size = len(maps)
+        self._maps = maps  # kept alive with the views below
+        self._words = [np.frombuffer(m.map, np.int64, count=LINE // 8) for m in maps]
+        self._data = [m.array[LINE:] for m in maps]
+        self._mine = self._words[rank]
+        self._others = [w for k, w in enumerate(self._words) if k != rank]
+        self._fd = lock_fd
+        self._last = 0  # the commit this rank's last committed post belonged to
+        self._views: dict[tuple[int, np.dtype], list[np.ndarray]] = {}  # (size, dtype) -> slots
+
+    # --- the busy word: written by its rank alone, read by the others without the lock ---------
+    def set_busy(self, busy: bool) -> None:
+        self._mine[_BUSY] = busy
+
+    def others_busy(self) -> bool:
+        return any(w[_BUSY] for w in self._others)
+
+    # --- posting ----------------------------------------------------------------------------------
+    def post(self, bit: int, data: np.ndarray, deadline: float) -> bool:
+        """Propose this rank's ``data`` (1-D, contiguous, at most ``EAGER_BYTES``) for the name of
+        cache bit ``bit``; commit every rank's posts if this completes them. False (nothing
+        posted) if a rank still reads this rank's previous data at ``deadline``."""
+        last = self._last
+        while any(w[_READ] < last for w in self._words):
+            if time.perf_counter() > deadline or self.others_busy():
+                return False
+            os.sched_yield()
+        self._data[self.rank][:data.nbytes] = data.view(np.uint8)
+        mine, words = self._mine, self._words
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            mine[_BIT] = bit
+            mine[_STATE] = POSTED
+            if all(w[_STATE] == POSTED and w[_BIT] == bit for w in words):
+                commit = int(words[0][_COMMITS]) + 1
+                words[0][_COMMITS] = commit
+                for w in words:
+                    w[_GEN] = commit
+                    w[_STATE] = COMMITTED
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return True
+
+    def committed(self) -> bool:
+        return self._mine[_STATE] == COMMITTED
+
+    def hopeless(self) -> bool:
+        """Whether this rank's post cannot commit: another rank is busy on the normal path or
+        posted another name."""
+        bit = self._mine[_BIT]
+        return any(w[_BUSY] or (w[_STATE] == POSTED and w[_BIT] != bit) for w in self._others)
+
+    def withdraw(self) -> bool:
+        """Take this rank's post back: True, or False if it was committed meanwhile."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            posted = self._mine[_STATE] == POSTED
+            if posted:
+                self._mine[_STATE] = EMPTY
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return posted
+
+    def reduce(self, out: np.ndarray, op: ReduceOp, postscale: float) -> None:
+        """``out`` (1-D, of the wire dtype) = the committed operation's result: every rank's data
+        reduced in rank order (the eager path's arithmetic). Frees this rank's slot."""
+        if not _TSO:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)  # orders the loads below after the commit's
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        key = (out.size, out.dtype)
+        parts = self._views.get(key)
+        if parts is None:
+            parts = self._views[key] = [d[:out.nbytes].view(out.dtype) for d in self._data]
+        reduce_parts(parts, 0, out.size, out, op, postscale)
+        commit = int(self._mine[_GEN])
+        self._last = commit
+        self._mine[_READ] = commit
+        self._mine[_STATE] = EMPTY
