@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import devices, transport
+from . import devices, lane, transport
 from .algorithms import ring
 from .algorithms.hierarchical import HierarchicalAllreduce
 from .algorithms.reduction import Reduction, scale_only
@@ -342,7 +342,8 @@ def shared_memory(rank: int, size: int, store: Any, config: Any, prefix: str = "
         cross = Subset(link, list(range(local_rank, size, local_size)))
         return _over(link, shm, (Hierarchical(shm, cross),))
     backends = _over(link, shm, (SharedMemory(shm),))
-    backends.lane = shm.open_lane()
+    if lane.TSO:
+        backends.lane = shm.open_lane()
     return backends
 
 

@@ -261,7 +261,10 @@ class Engine:
             if not (lane.hopeless() or self._refuse is not None
                     or time.perf_counter() > deadline):
                 return True
-            if lane.withdraw():  # to the coordinator, as any operation
+            withdrawn = lane.withdraw()
+            if withdrawn is None:
+                return True  # the lock is held: try again
+            if withdrawn:  # to the coordinator, as any operation
                 self._posted = None
                 self._going_normal()
                 self._submit_entries([entry])

@@ -32,9 +32,9 @@ everywhere: its completion needed every rank's contribution).
 this rank's post belongs to, ``READ``: the last commit whose slots it has finished reading,
 ``BUSY``; local rank 0's line also holds ``COMMITS``) and ``EAGER_BYTES`` of data. A rank writes
 its data only after every rank has read its previous committed data (``READ``), so no rank
-reads a slot while its owner rewrites it. On x86 (total store order) a rank that sees its slot
-COMMITTED reads the others' data directly; elsewhere it takes the lock once first, for the
-memory ordering.
+reads a slot while its owner rewrites it. A rank that sees its slot COMMITTED reads the others'
+data without the lock, which x86's total store order makes safe (stores are seen in the order
+they were made); on other CPUs there is no lane (:data:`TSO`).
 """
 
 from __future__ import annotations
@@ -49,19 +49,21 @@ import numpy as np
 from .algorithms.local import reduce_parts
 from .ops import ReduceOp
 
-__all__ = ["LINE", "Lane"]
+__all__ = ["LINE", "TSO", "Lane"]
 
 #: Bytes of a slot's header line (one cache line).
 LINE = 64
 _STATE, _BIT, _GEN, _READ, _BUSY, _COMMITS = range(6)  # words of a header line
 EMPTY, POSTED, COMMITTED = 0, 1, 2
-_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+#: Whether this CPU keeps stores in order as other CPUs see them (x86's total store order), which
+#: the lane's lock-free reads rely on: elsewhere there is no lane (the coordinator's eager path).
+TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 class Lane:
     """This rank's view of the lane of ``len(maps)`` ranks (local rank = global rank)."""
 
-    def __init__(self, rank: int, maps: list, lock_fd: int, timeout: float) -> None:
+    def __init__(self, rank: int, maps: list, lock_fd: int) -> None:
         self.rank = rank
         self.size = len(maps)
         self._maps = maps  # kept alive with the views below
@@ -92,7 +94,8 @@ class Lane:
             os.sched_yield()
         self._data[self.rank][:data.nbytes] = data.view(np.uint8)
         mine, words = self._mine, self._words
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        if not self._lock(deadline):
+            return False
         try:
             mine[_BIT] = bit
             mine[_STATE] = POSTED
@@ -115,9 +118,12 @@ class Lane:
         bit = self._mine[_BIT]
         return any(w[_BUSY] or (w[_STATE] == POSTED and w[_BIT] != bit) for w in self._others)
 
-    def withdraw(self) -> bool:
-        """Take this rank's post back: True, or False if it was committed meanwhile."""
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+    def withdraw(self) -> bool | None:
+        """Take this rank's post back: True, False if it was committed meanwhile, None if the
+        lock is held (try again: its holder is between two instructions, or frozen, which the
+        job's liveness checks turn into the job's error)."""
+        if not self._lock(0.0):
+            return None
         try:
             posted = self._mine[_STATE] == POSTED
             if posted:
@@ -126,12 +132,22 @@ class Lane:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         return posted
 
+    def _lock(self, deadline: float) -> bool:
+        """Take the lock, polling until ``deadline`` (``perf_counter``) at the latest. Never
+        sleeping in ``flock``: ranks post at the same moment all the time, and a sleeping
+        process takes tens of microseconds to wake."""
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.perf_counter() > deadline:
+                    return False
+                os.sched_yield()
+
     def reduce(self, out: np.ndarray, op: ReduceOp, postscale: float) -> None:
         """``out`` (1-D, of the wire dtype) = the committed operation's result: every rank's data
         reduced in rank order (the eager path's arithmetic). Frees this rank's slot."""
-        if not _TSO:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)  # orders the loads below after the commit's
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
         key = (out.size, out.dtype)
         parts = self._views.get(key)
         if parts is None:

@@ -200,6 +200,7 @@ def run_engines(
     from .backends import Backends, Ring, SharedMemory
     from .client import Client
     from .engine import Engine
+    from .lane import TSO
     from .rendezvous import MemoryStore
     from .runtime import Binding, bound
     from .topology import RankInfo
@@ -217,7 +218,8 @@ def run_engines(
         t = world.transport(rank)
         if shm:
             local = ShmAllreduce(rank, n, store, "engines/", timeout, t.check_peers)
-            backends = Backends(t, (SharedMemory(local), Ring()), local, local.open_lane())
+            lane = local.open_lane() if TSO else None
+            backends = Backends(t, (SharedMemory(local), Ring()), local, lane)
         else:
             backends = Backends(t, (Ring(),))
         try:

@@ -514,7 +514,7 @@ class ShmAllreduce:
         """The small-operation lane of these ranks (:mod:`ringflow.lane`): one header line and
         ``EAGER_BYTES`` of data per rank, beside the flag lines. Every local rank calls it."""
         self._lane = self._attach("l", _LINE + EAGER_BYTES, _LINE + EAGER_BYTES, lock=True)
-        return Lane(self.rank, self._lane, self._lane[0].fd, self.timeout)
+        return Lane(self.rank, self._lane, self._lane[0].fd)
 
     def close(self) -> None:
         for seg in self._segs + self._flags + self._lane:
