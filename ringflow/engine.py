@@ -46,14 +46,12 @@ found even while nothing is pending.
 from __future__ import annotations
 
 import collections
-import contextlib
 import enum
 import logging
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -134,6 +132,7 @@ class Engine:
         # thread's queue) and _fatal (written by the engine thread only).
         self._lock = threading.RLock()
         self._depth = 0  # nesting of _control() blocks in the thread holding _lock
+        self._ctl = _Control(self)
         self._finished: list[tuple[Handle, Any, BaseException | None]] = []
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._queued: set[Key] = set()  # entries in the inbox not yet accepted
@@ -169,20 +168,9 @@ class Engine:
         self._thread.start()
         self._liveness.start(self, Engine._beat, f"ringflow-heartbeat-{rank}")
 
-    @contextlib.contextmanager
-    def _control(self) -> Iterator[None]:
+    def _control(self) -> _Control:
         """Hold the control lock; complete the handles finished inside once it is released."""
-        with self._lock:
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-                done: list = []
-                if self._depth == 0:
-                    done, self._finished = self._finished, []
-        for handle, value, error in done:
-            handle._finish(value, error)
+        return self._ctl
 
     def _done(self, handle: Handle, value: Any = None, error: BaseException | None = None) -> None:
         self._finished.append((handle, value, error))
@@ -801,6 +789,32 @@ class Engine:
                     tl.completed(r.key, resp.kind, len(entries))
                 self._done(entry.handle, value)
         self._maybe_idle()
+
+
+class _Control:
+    """:meth:`Engine._control`: a class rather than a generator, since every operation enters
+    it two or three times (~1.5 us saved each); handles finished inside are completed even when
+    the block raises."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        engine = self.engine
+        engine._lock.acquire()
+        engine._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        engine = self.engine
+        engine._depth -= 1
+        done: list = []
+        if engine._depth == 0:
+            done, engine._finished = engine._finished, []
+        engine._lock.release()
+        for handle, value, error in done:
+            handle._finish(value, error)
 
 
 def _clone(error: BaseException) -> BaseException:

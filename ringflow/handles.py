@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class Handle:
-    __slots__ = ("_callbacks", "_done", "_drive", "_error", "_lock", "_spin", "_value", "name")
+    __slots__ = ("_callbacks", "_drive", "_error", "_event", "_finished", "_lock", "_spin",
+                 "_value", "name")
 
     def __init__(self, name: str, spin: float = 0.0) -> None:
         self.name = name
@@ -35,7 +36,10 @@ class Handle:
         # Set by the engine for an operation posted on the same-host lane (ringflow.lane): the
         # waiter moves it on itself; True while it is still posted.
         self._drive: Callable[[], bool] | None = None
-        self._done = threading.Event()
+        self._finished = False
+        # Made by a waiter that has to block (most operations finish before anyone waits, or
+        # while the waiter polls: an Event costs ~3 us to make).
+        self._event: threading.Event | None = None
         self._lock = threading.Lock()
         self._value: Any = None
         self._error: BaseException | None = None
@@ -43,9 +47,9 @@ class Handle:
 
     def poll(self) -> bool:
         """True once the operation finished (successfully or not)."""
-        if self._drive is not None and not self._done.is_set():
+        if self._drive is not None and not self._finished:
             self._drive()
-        return self._done.is_set()
+        return self._finished
 
     def is_completed(self) -> bool:
         """True once the operation finished (torch.distributed's ``Work.is_completed``)."""
@@ -54,14 +58,20 @@ class Handle:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done and return the result; raise the operation's error if it failed."""
         if self._drive is not None:
-            while not self._done.is_set() and self._drive():
+            while not self._finished and self._drive():
                 os.sched_yield()
-        if self._spin and not self._done.is_set():
+        if self._spin and not self._finished:
             end = time.perf_counter() + min(self._spin, timeout if timeout is not None else 1.0)
-            while not self._done.is_set() and time.perf_counter() < end:
+            while not self._finished and time.perf_counter() < end:
                 os.sched_yield()
-        if not self._done.wait(timeout):
-            raise RingflowTimeoutError(f"operation {self.name!r} did not finish within {timeout} s")
+        if not self._finished:
+            with self._lock:
+                if not self._finished and self._event is None:
+                    self._event = threading.Event()
+                event = None if self._finished else self._event
+            if event is not None and not event.wait(timeout):
+                raise RingflowTimeoutError(
+                    f"operation {self.name!r} did not finish within {timeout} s")
         if self._error is not None:
             raise self._error
         return self._value
@@ -73,18 +83,21 @@ class Handle:
         the operation: one of ringflow's (engine or transport reader), never under its lock. An
         exception from ``fn`` is logged and otherwise ignored."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._finished:
                 self._callbacks.append(fn)
                 return
         self._call(fn)
 
     def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
         with self._lock:
-            if self._done.is_set():
+            if self._finished:
                 return
             self._value, self._error = value, error
-            self._done.set()
+            self._finished = True
+            event = self._event
             callbacks, self._callbacks = self._callbacks, []
+        if event is not None:
+            event.set()
         for fn in callbacks:
             self._call(fn)
 
