@@ -1,9 +1,11 @@
-"""Engine latency on 2 ranks of this host: one small allreduce, and one step of many tensors.
+"""Engine latency on this host: one small allreduce, and one step of many tensors.
 
-    python benchmarks/engine_latency.py [--iters 2000] [--tensors 1000] [--repeats 20]
+    python benchmarks/engine_latency.py [--np 2 4] [--rounds 3] [--iters 2000] [--tensors 1000]
 
-Starts ``ringflow-run -np 2 --bind-to core`` once with fusion on (the default threshold) and once
-with ``RINGFLOW_FUSION_THRESHOLD_BYTES=0``, and prints:
+For each world size of ``--np`` (default 2 and 4), starts ``ringflow-run -np N`` (its default
+placement) alternately with the same-host lane on (the default) and off
+(``RINGFLOW_LANE_WAIT_US=0``: small cached allreduces go through rank 0, the eager path),
+``--rounds`` times each, and prints the medians of:
 
 * the latency of one 4 KiB float32 allreduce through the engine (``allreduce(x, name=...)``
   measured end to end on rank 0, after warm-up, so the response cache is hot): median, p10, p90;
@@ -57,15 +59,12 @@ def worker(out: str, iters: int, tensors: int, repeats: int) -> None:
     rf.shutdown()
 
 
-def run(fusion: bool, args: argparse.Namespace) -> dict:
+def run(lane: bool, n: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         env = dict(os.environ)
-        env.pop("RINGFLOW_FUSION_THRESHOLD_BYTES", None)
-        if not fusion:
-            env["RINGFLOW_FUSION_THRESHOLD_BYTES"] = "0"
-        cmd = [sys.executable, "-m", "ringflow.runner", "-np", "2", "--bind-to", args.bind_to,
-               sys.executable, __file__,
+        env["RINGFLOW_LANE_WAIT_US"] = "500" if lane else "0"
+        cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(n), sys.executable, __file__,
                "--worker", out, "--iters", str(args.iters), "--tensors", str(args.tensors),
                "--repeats", str(args.repeats)]
         subprocess.run(cmd, env=env, check=True, timeout=600)
@@ -78,29 +77,36 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--bind-to", choices=("core", "none"), default="core",
-                        help="ringflow-run --bind-to (default core: one CPU per rank)")
+    parser.add_argument("--np", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="jobs per configuration, alternating (medians are reported)")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.iters, args.tensors, args.repeats)
         return
-    rows = []
-    for fusion in (True, False):
-        res = run(fusion, args)
-        lat = np.array(res["lat"]) * 1e3
-        step = np.array(res["steps"]) * 1e3
-        rows.append((fusion, lat, step, res["stats"]))
-    print(f"ringflow engine, 2 ranks on this host, {os.cpu_count()} CPUs "
-          f"(Horovod 0.28.1 reference: 1.1-1.4 ms per 4 KiB allreduce)")
-    print(f"{'fusion':<8}{'4 KiB allreduce ms: p50':>24}{'p10':>8}{'p90':>8}"
-          f"{f'step of {args.tensors} x 4 KiB ms: p50':>34}{'p10':>8}{'p90':>8}"
-          f"{'collectives':>13}")
-    for fusion, lat, step, stats in rows:
-        p = np.percentile
-        print(f"{'on' if fusion else 'off':<8}{p(lat, 50):>24.3f}{p(lat, 10):>8.3f}"
-              f"{p(lat, 90):>8.3f}{p(step, 50):>34.1f}{p(step, 10):>8.1f}{p(step, 90):>8.1f}"
-              f"{stats['collectives']:>13}")
+    p = np.percentile
+    print(f"ringflow engine on this host, {os.cpu_count()} CPUs, ringflow-run's default placement "
+          f"(Horovod 0.28.1 reference: 1.1-1.4 ms per 4 KiB allreduce at 2 ranks); "
+          f"{args.rounds} jobs per row, alternating; medians of the jobs' figures")
+    print(f"{'ranks':<6}{'lane':<6}{'4 KiB allreduce us: p50':>24}{'p10':>8}{'p90':>8}"
+          f"{f'step of {args.tensors} x 4 KiB ms':>30}{'ops on the lane':>17}")
+    for n in args.np:
+        rows: dict[bool, list] = {True: [], False: []}
+        for _ in range(args.rounds):
+            for lane in (True, False):
+                res = run(lane, n, args)
+                lat = np.array(res["lat"]) * 1e6
+                step = np.array(res["steps"]) * 1e3
+                rows[lane].append((p(lat, 50), p(lat, 10), p(lat, 90), p(step, 50),
+                                   res["stats"]["lane"] / max(res["stats"]["tensors"], 1)))
+        med = {lane: np.median(np.array(r), axis=0) for lane, r in rows.items()}
+        for lane in (True, False):
+            m = med[lane]
+            print(f"{n:<6}{'on' if lane else 'off':<6}{m[0]:>24.1f}{m[1]:>8.1f}{m[2]:>8.1f}"
+                  f"{m[3]:>30.1f}{m[4]:>16.0%}")
+        print(f"{n:<6}ratio off/on: 4 KiB p50 {med[False][0] / med[True][0]:.2f}x, "
+              f"step {med[False][3] / med[True][3]:.2f}x")
 
 
 if __name__ == "__main__":

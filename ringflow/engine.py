@@ -718,6 +718,8 @@ class Engine:
             elif resp.kind == "remove_process_set" and not resp.error:
                 self.process_sets.pop(resp.requests[0].root, None)
                 self.executor.forget(resp.requests[0].root)
+                if self.coordinator is not None:
+                    self.coordinator.rescan()  # its pending names fail now
             if not resp.error and resp.kind != "join" and (
                 (members is None and resp.kind != "remove_process_set")
                 or (members is not None and self.rank not in members)

@@ -38,7 +38,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -198,6 +198,14 @@ class Coordinator:
         self.payload: dict[Key, dict[int, np.ndarray]] = {}  # eager data sent with bits
         self.joined: list[int] = []
         self.gone: dict[int, str] = {}
+        # plan() looks only at the names submitted to since its last call (a step of 10,000
+        # names used to cost 10,000 scans of the whole table), and at every name again when
+        # something else may have made names ready: joins, departures, process-set changes.
+        self._touched: dict[Key, None] = {}
+        self._ready_keys: set[Key] = set()
+        self._order: dict[Key, int] = {}  # the table's order: when each name was first submitted
+        self._next = 0
+        self._seen_state: tuple = ()
         self.next_set_id = 1
         self.holding = False  # see plan()
         self.last_change = time.monotonic()  # last submission or plan (see stalled())
@@ -223,7 +231,12 @@ class Coordinator:
     def _add(self, rank: int, req: Request, via_bit: bool) -> None:
         self.last_change = time.monotonic()
         key = req.key
-        slot = self.table.setdefault(key, {})
+        slot = self.table.get(key)
+        if slot is None:
+            slot = self.table[key] = {}
+            self._order[key] = self._next
+            self._next += 1
+        self._touched[key] = None
         if rank in slot and not req.error:
             req = dataclasses.replace(
                 req, error=f"rank {rank} submitted {req.name!r} again while it was in flight"
@@ -239,6 +252,27 @@ class Coordinator:
     def rank_gone(self, rank: int, reason: str) -> None:
         self.gone[rank] = reason
 
+    def rescan(self) -> None:
+        """Process sets changed: every pending name may be ready now (see plan())."""
+        self._seen_state = ()
+
+    def _ready_names(self) -> list[tuple[Key, dict[int, Request]]]:
+        """The ready names, in table order, with a scan of only what may have changed."""
+        state = (tuple(self.joined), tuple(self.gone))
+        if state != self._seen_state:
+            self._seen_state = state
+            self._ready_keys.clear()
+            candidates: Iterable[Key] = list(self.table)
+        else:
+            candidates = list(self._touched)
+        self._touched.clear()
+        for key in candidates:
+            slot = self.table.get(key)
+            if slot is not None and self._ready(key, slot):
+                self._ready_keys.add(key)
+        self._ready_keys &= self.table.keys()
+        return [(key, self.table[key]) for key in sorted(self._ready_keys, key=self._order.get)]
+
     # output ------------------------------------------------------------------------------------
     def plan(self, hold: float = 0.0) -> list[Response | CachedAllreduce]:
         """Take every ready name out of the table and return the plan items, fused.
@@ -251,11 +285,9 @@ class Coordinator:
         """
         ready: list[tuple[Key, dict[int, Request]]] = []
         groups: dict[tuple[int, str], list[Key]] = {}
-        waiting = False
-        for key, slot in self.table.items():
-            if not self._ready(key, slot):
-                waiting = True
-                continue
+        candidates = self._ready_names()
+        waiting = len(candidates) < len(self.table)
+        for key, slot in candidates:
             group = next(iter(slot.values())).group
             if group:
                 groups.setdefault((key[0], group), []).append(key)
@@ -299,6 +331,8 @@ class Coordinator:
         fusable: dict[tuple, list[tuple[Response, dict[int, np.ndarray] | None]]] = {}
         for key, slot in ready:
             del self.table[key]
+            self._order.pop(key, None)
+            self._ready_keys.discard(key)
             self.first_seen.pop(key, None)
             self.warned.discard(key)
             payload = self.payload.pop(key, None)
@@ -337,6 +371,8 @@ class Coordinator:
         items = []
         for key in keys:
             slot = self.table.pop(key)
+            self._order.pop(key, None)
+            self._ready_keys.discard(key)
             self.first_seen.pop(key, None)
             self.warned.discard(key)
             self.via_bits.pop(key, None)
@@ -479,29 +515,47 @@ class Coordinator:
         now = time.monotonic()
         warnings: list[str] = []
         waits: list[tuple[Key, list[int], list[int]]] = []
+        # Names are in the order they were first seen: only the oldest can be past a limit,
+        # unless the deadlock check needs them all. (Every name's report used to be written on
+        # every call, costing the square of the pending names: a step of 10,000 names starved
+        # rank 0 for a minute.)
+        limits = [t for t in (warn_after, fail_after) if t]
+        deadlock = bool(deadlock_after) and now - self.last_change > deadlock_after
+        more = 0
         for key, since in self.first_seen.items():
             waited = now - since
+            if not deadlock and (not limits or waited <= min(limits)):
+                break
             slot = self.table[key]
             missing = sorted(set(self.members(key[0])) - set(slot) - set(self.joined)
                              - set(self.gone))
             waits.append((key, sorted(slot), missing))
+            past_fail = fail_after and waited > fail_after
+            past_warn = warn_after and waited > warn_after and key not in self.warned
+            if past_warn and not past_fail and len(warnings) >= _WARNINGS:
+                self.warned.add(key)
+                more += 1  # counted, not described: a report costs a scan of the table
+                continue
+            if not (past_fail or past_warn):
+                continue
             text = (
                 f"tensor {key[1]!r} has waited {waited:.0f} s: submitted by ranks "
                 f"{sorted(slot)}, missing ranks {missing}"
                 f"{_details([*_sites(slot), *self._elsewhere(missing)])}"
             )
-            if fail_after and waited > fail_after:
+            if past_fail:
                 return warnings, (
                     f"stall: {text}; the missing ranks never submitted it (a rank skipped a "
                     f"collective or is stuck). RINGFLOW_STALL_SHUTDOWN_S sets this limit."
                 )
-            if warn_after and waited > warn_after and key not in self.warned:
+            if past_warn:
                 self.warned.add(key)
                 warnings.append(text)
+        if more:
+            warnings.append(f"{more} more tensors have waited more than {warn_after:.0f} s")
         awaited = {r for _, _, missing in waits for r in missing}
         waiting = {r for _, slot, _ in waits for r in slot}
-        if (deadlock_after and awaited and awaited <= waiting
-                and now - self.last_change > deadlock_after):
+        if deadlock and awaited and awaited <= waiting:
             parts = "; ".join(f"{key[1]!r} submitted by ranks {slot}, missing ranks {missing}"
                               f"{_details(_sites(self.table[key]))}"
                               for key, slot, missing in waits if missing)
@@ -513,6 +567,10 @@ class Coordinator:
                 f"RINGFLOW_DEADLOCK_SHUTDOWN_S sets this limit."
             )
         return warnings, ""
+
+
+#: Stall warnings described in full per inspection; the others are counted in one more line.
+_WARNINGS = 5
 
 
 def _sites(slot: dict[int, Request]) -> list[str]:

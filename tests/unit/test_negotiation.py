@@ -323,6 +323,9 @@ def test_a_stall_names_where_each_rank_called_and_what_the_missing_rank_waits_in
                         "[1] (ranks 0, 2 called at train.py:12; rank 1 waits in 'b' submitted at "
                         "eval.py:7)"]
     c.submit(2, [ar("t", site="other.py:3")], [])  # rank 2 is now also waiting in 't'
+    # first_seen stays in time order, as it is in use (stalled() relies on it): 'b', seen
+    # between 's' and 't', has waited as long.
+    c.first_seen[(0, "b")] -= 100.0
     c.first_seen[(0, "t")] -= 100.0
     c.warned.clear()
     warnings, _ = c.stalled(warn_after=10, fail_after=0)
@@ -350,6 +353,29 @@ def test_a_cached_name_stalls_with_the_site_of_its_negotiation_and_sites_differ(
     assert item.names == ("v",)
     c.submit(1, [ar("u", site="b.py:3")], [])
     c.submit(0, [ar("x", site="a.py:5")], [])
+    c.first_seen[(0, "u")] -= 100.0  # in time order, as in use: 'u' was seen before 'x'
     c.first_seen[(0, "x")] -= 100.0
     warnings, _ = c.stalled(warn_after=10, fail_after=0)
     assert "rank 1 waits in 'w' submitted at rank1.py:1 (and 1 more)" in warnings[-1], warnings
+
+
+def test_many_stalled_names_give_a_few_reports_and_a_count() -> None:
+    c = coordinator()
+    for i in range(12):
+        c.submit(0, [ar(f"n{i}")], [])
+    for key in c.first_seen:
+        c.first_seen[key] -= 100.0
+    warnings, _ = c.stalled(warn_after=10, fail_after=0)
+    assert len(warnings) == 6 and warnings[-1] == "7 more tensors have waited more than 10 s"
+    assert all("missing ranks [1, 2]" in w for w in warnings[:5]), warnings
+    assert c.stalled(warn_after=10, fail_after=0) == ([], "")  # each name is reported once
+
+
+def test_names_made_ready_by_a_departure_are_planned_without_a_new_submission() -> None:
+    c = coordinator()
+    for rank in (0, 1):
+        c.submit(rank, [ar("d")], [])
+    assert c.plan() == []  # rank 2 has not submitted: plan() remembers it looked at 'd'
+    c.rank_gone(2, "it called shutdown()")
+    (item,) = c.plan()
+    assert item.error and "rank 2 left the job" in item.error, item
