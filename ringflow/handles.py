@@ -58,7 +58,8 @@ class Handle:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done and return the result; raise the operation's error if it failed."""
         if self._drive is not None:
-            while not self._finished and self._drive():
+            end = time.perf_counter() + (timeout if timeout is not None else float("inf"))
+            while not self._finished and self._drive() and time.perf_counter() < end:
                 os.sched_yield()
         if self._spin and not self._finished:
             end = time.perf_counter() + min(self._spin, timeout if timeout is not None else 1.0)
