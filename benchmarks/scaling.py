@@ -101,7 +101,7 @@ def busbw(nbytes: int, seconds: float, n: int) -> float:
 def tables(results: dict[int, dict], sizes: list[int], tensors: list[int]) -> list[str]:
     ns = sorted(results)
     lines = ["### time per allreduce, ms (bus bandwidth GB/s)", "",
-             "| size | " + " | ".join(f"{n} ranks" for n in ns) + " |",
+             "| size | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}" for n in ns) + " |",
              "|---|" + "---|" * len(ns)]
     for s in sizes:
         cells = []
@@ -111,7 +111,7 @@ def tables(results: dict[int, dict], sizes: list[int], tensors: list[int]) -> li
             cells.append(f"{t * 1e3:.3f}" + ("" if n == 1 else f" ({bw:.2f})"))
         lines.append(f"| {_fmt(s)} | " + " | ".join(cells) + " |")
     lines += ["", "### engine time per 4 KiB tensor in a step of T tensors, us", "",
-              "| T | " + " | ".join(f"{n} ranks" for n in ns) + " |",
+              "| T | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}" for n in ns) + " |",
               "|---|" + "---|" * len(ns)]
     for count in tensors:
         cells = [f"{results[n]['per_tensor'][str(count)] * 1e6:.1f}" for n in ns]
@@ -140,7 +140,8 @@ def plots(folder: str, results: dict[int, dict], sizes: list[int], tensors: list
         for n in ns:
             if name == "busbw" and n == 1:
                 continue
-            ax.plot(xs, [value(n, x) for x in xs], marker="o", label=f"{n} ranks")
+            label = f"{n} rank{'s' if n > 1 else ''}"
+            ax.plot(xs, [value(n, x) for x in xs], marker="o", label=label)
         ax.set_xscale("log", base=2 if xs is sizes else 10)
         if xs is sizes:
             ax.set_xticks(xs, [_fmt(s) for s in xs])
