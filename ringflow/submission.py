@@ -137,9 +137,10 @@ def request(kind: str, array: Any, name: str, process_set: ProcessSet, out: Any 
     ``fields`` may carry an ``error`` the caller found already (it wins)."""
     key = None
     if type(array) is np.ndarray and out is None and array.flags.c_contiguous:
-        memo = _memos.get(running())
+        eng = running()
+        memo = _memos.get(eng)
         if memo is None:
-            memo = _memos[running()] = {}
+            memo = _memos[eng] = {}
         key = (kind, name, process_set.process_set_id, array.dtype, array.shape, *fields.items())
         req = memo.get(key)
         if req is not None:

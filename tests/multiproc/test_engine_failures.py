@@ -67,8 +67,10 @@ def test_shutdown_fails_pending_ops(tmp_path: Path) -> None:
         assert res["later"]["type"] == "NotInitializedError"
 
 
-def test_dead_peer_fails_pending_ops_everywhere(tmp_path: Path) -> None:
-    results = launch("peer_exit", 3, tmp_path)
+# lane_*: the name is cached and small, so the survivors post it on the same-host lane first.
+@pytest.mark.parametrize("scenario", ["peer_exit", "lane_peer_exit"])
+def test_dead_peer_fails_pending_ops_everywhere(tmp_path: Path, scenario: str) -> None:
+    results = launch(scenario, 3, tmp_path)
     survivors = {r: results[r] for r in (0, 1)}
     error = same_on_every_rank(survivors, "pending")
     assert error["type"] == "PeerError" and "rank 2" in error["text"], error
@@ -94,10 +96,11 @@ def test_dead_peer_during_a_collective_fails_it_with_one_text(tmp_path: Path, n:
     assert all(res["pending"]["elapsed"] < 5 for res in survivors.values()), survivors
 
 
-def test_frozen_peer_is_detected_within_timeout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scenario", ["peer_frozen", "lane_peer_frozen"])
+def test_frozen_peer_is_detected_within_timeout(tmp_path: Path, scenario: str) -> None:
     timeout_s = 3
     # The frozen rank is killed by rank 0 once the survivors have reported, so the job fails.
-    results = launch("peer_frozen", 3, tmp_path, env={"RINGFLOW_TIMEOUT_S": str(timeout_s)},
+    results = launch(scenario, 3, tmp_path, env={"RINGFLOW_TIMEOUT_S": str(timeout_s)},
                      ok=False)
     survivors = {r: results[r] for r in (0, 1)}
     assert sorted(results) == [0, 1], results
