@@ -258,17 +258,21 @@ class Engine:
                 self._submit_entries([entry])
                 return False
         self._posted = None
-        out = output_of(entry, req)
-        flat = out.reshape(-1)
-        wire = req.wire_dtype
-        result = flat if flat.dtype == wire else np.empty(flat.size, wire)
-        lane.reduce(result, ReduceOp(req.reduce_op), req.postscale)
-        if result is not flat:
-            np.copyto(flat, result, casting="unsafe")  # decompresses, as unpack() does
         self._pending.pop(req.key, None)
-        for stat in ("collectives", "tensors", "lane"):
-            self.stats[stat] += 1
-        self._done(entry.handle, out)
+        try:
+            out = output_of(entry, req)
+            flat = out.reshape(-1)
+            wire = req.wire_dtype
+            result = flat if flat.dtype == wire else np.empty(flat.size, wire)
+            lane.reduce(result, ReduceOp(req.reduce_op), req.postscale)
+            if result is not flat:
+                np.copyto(flat, result, casting="unsafe")  # decompresses, as unpack() does
+        except Exception as exc:  # every rank reduced the same slots: every rank fails alike
+            self._done(entry.handle, error=ShutdownError(f"internal error on the lane: {exc!r}"))
+        else:
+            for stat in ("collectives", "tensors", "lane"):
+                self.stats[stat] += 1
+            self._done(entry.handle, out)
         self._maybe_idle()
         return False
 
