@@ -9,6 +9,7 @@ threads: ``tests/inproc/test_engine.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -69,12 +70,16 @@ def shutdown_pending(r: int, n: int) -> dict[str, Any]:
     return {"pending": wait_failure(h, 10), "later": failure(rf.allreduce, np.ones(2))}
 
 
-def peer_exit(r: int, n: int, outdir: Path) -> dict[str, Any]:
-    rf.allreduce(np.ones(2), name="pe.ok")
+def peer_exit(r: int, n: int, outdir: Path, cached: bool = False) -> dict[str, Any]:
+    """The last rank exits; the others then submit a new name, or with ``cached`` the name they
+    used before (small and cached: posted on the same-host lane first, ringflow.lane)."""
+    for _ in range(3 if cached else 1):
+        rf.allreduce(np.ones(2), name="pe.ok")
     if r == n - 1:
         (outdir / f"{r}.json").write_text(json.dumps({"rank": r, "exited": True}))
         os._exit(0)
-    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="pe.after")}
+    after = "pe.ok" if cached else "pe.after"
+    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name=after)}
 
 
 def peer_exit_midop(r: int, n: int, outdir: Path) -> dict[str, Any]:
@@ -105,14 +110,16 @@ def shutdown_early(r: int, n: int) -> dict[str, Any]:
     return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="se.after")}
 
 
-def peer_frozen(r: int, n: int, outdir: Path) -> dict[str, Any]:
-    rf.allreduce(np.ones(2), name="pf.ok")
+def peer_frozen(r: int, n: int, outdir: Path, cached: bool = False) -> dict[str, Any]:
+    """The last rank freezes; the others submit a new name, or a cached one (see peer_exit)."""
+    for _ in range(3 if cached else 1):
+        rf.allreduce(np.ones(2), name="pf.ok")
     if r == n - 1:
         (outdir / "frozen.pid").write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)
         return {"resumed": True}
-    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="pf.after",
-                                     timeout=60)}
+    after = "pf.ok" if cached else "pf.after"
+    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name=after, timeout=60)}
 
 
 # the same-host lane (ringflow.lane) -------------------------------------------------------------
@@ -125,31 +132,12 @@ def lane(r: int, n: int) -> dict[str, Any]:
     return {"stats": rf.stats()}
 
 
-def lane_peer_exit(r: int, n: int, outdir: Path) -> dict[str, Any]:
-    """The last rank exits; the others submit a cached small name (posted on the lane)."""
-    for _ in range(3):
-        rf.allreduce(np.ones(2), name="lp.x")
-    if r == n - 1:
-        (outdir / f"{r}.json").write_text(json.dumps({"rank": r, "exited": True}))
-        os._exit(0)
-    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="lp.x")}
-
-
-def lane_peer_frozen(r: int, n: int, outdir: Path) -> dict[str, Any]:
-    for _ in range(3):
-        rf.allreduce(np.ones(2), name="lf.x")
-    if r == n - 1:
-        (outdir / "frozen.pid").write_text(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGSTOP)
-        return {"resumed": True}
-    return {"pending": async_failure(rf.allreduce_async, np.ones(2), name="lf.x", timeout=60)}
-
-
 SCENARIOS = {"shutdown_pending": shutdown_pending, "shutdown_early": shutdown_early,
              "lane": lane}
 NEEDS_DIR = {"peer_exit": peer_exit, "peer_exit_midop": peer_exit_midop,
-             "peer_frozen": peer_frozen, "lane_peer_exit": lane_peer_exit,
-             "lane_peer_frozen": lane_peer_frozen}
+             "peer_frozen": peer_frozen,
+             "lane_peer_exit": functools.partial(peer_exit, cached=True),
+             "lane_peer_frozen": functools.partial(peer_frozen, cached=True)}
 
 
 def run_scenario(scenarios: dict[str, Any], needs_dir: dict[str, Any]) -> tuple[str, int, Path]:
