@@ -5,7 +5,7 @@ the rest of Horovod's semantics lives here, so the two adapters cannot drift apa
 
 - :func:`resolve_op`: ``op=`` with Horovod's deprecated ``average=`` flag;
 - :func:`op_name` / :func:`grad_name`: the names ranks match operations by;
-- :func:`even_splits`, :func:`split_groups`: default alltoall splits, gradient groups;
+- :func:`even_splits`: default alltoall splits (gradient batching: :mod:`ringflow.batching`);
 - :func:`compressed`: a core compressor goes to the engine (it casts while fusing), any other
   object with Horovod's ``compress``/``decompress`` is applied around the collective;
 - :func:`broadcast_object` / :func:`allgather_object`: Python objects (cloudpickle when
@@ -64,7 +64,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 __all__ = [
     "GRADIENTS", "Invalid", "Ops", "Spec", "allgather_object", "broadcast_object",
     "compressed", "even_splits", "grad_name", "op_name", "resolve_op",
-    "sparse_scale", "split_groups",
+    "sparse_scale",
 ]
 # point to point
 __all__ += ["P2P_GRADIENTS", "P2POps", "P2PSpec", "grad_tag"]
@@ -108,17 +108,6 @@ def even_splits(rows: int, parts: int) -> list[int]:
     (alltoall's default splits)."""
     q, rem = divmod(rows, parts)
     return [q + (1 if i < rem else 0) for i in range(parts)]
-
-
-def split_groups(items: Sequence[T], parts: int) -> list[list[T]]:
-    """``items`` in ``parts`` consecutive runs whose lengths differ by at most one (Horovod's
-    ``num_groups``); empty runs are dropped."""
-    sizes = even_splits(len(items), max(1, min(parts, len(items))))
-    out, start = [], 0
-    for size in sizes:
-        out.append(list(items[start:start + size]))
-        start += size
-    return [run for run in out if run]
 
 
 def compressed(compression: Any, tensors: Sequence[T],

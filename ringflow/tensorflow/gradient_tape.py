@@ -4,9 +4,10 @@
 
 1. ``IndexedSlices`` become dense when ``sparse_as_dense``; otherwise they take Horovod's sparse
    path (allgather of values and indices).
-2. Dense gradients are negotiated in groups: one group for all (default), ``num_groups`` equal
-   contiguous groups, or explicit ``groups`` of variables (the rest form one more group). Each
-   group is one op, so a step costs one Python round trip per group; the engine fuses anyway.
+2. Dense gradients are batched by the policy the torch optimizer uses (:mod:`ringflow.batching`),
+   told of every gradient at once: explicit ``groups`` of variables (or ``groups``/``num_groups``
+   equal contiguous runs), the rest by size (each large gradient alone, small ones in buckets).
+   Each batch is one grouped op; the engine fuses whatever is submitted together anyway.
 3. ``gradient_predivide_factor`` f splits the average into a prescale 1/f and a postscale f/n
    (Horovod's semantics; only with op=Average).
 4. Gradients of *local* variables (``PartialDistributedGradientTape``) are not reduced; with
@@ -28,7 +29,7 @@ from typing import Any
 import tensorflow as tf
 
 from ringflow import Average, Compression, ProcessSet, ReduceOp, global_process_set
-from ringflow import _adapter as kit
+from ringflow.batching import GradientBatcher
 from ringflow.errors import TensorError
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "allreduce_gradients"]
@@ -36,24 +37,22 @@ __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "allredu
 _plain = tf.autograph.experimental.do_not_convert
 
 
-def _groups(n_dense: int, dense_vars: list[Any], num_groups: int,
-            groups: Sequence[Sequence[Any]] | None) -> list[list[int]]:
-    """Positions (into the dense list) of each group, in a rank-independent order."""
-    if groups is not None:
-        where = {id(v): i for i, v in enumerate(dense_vars)}
-        taken: set[int] = set()
-        out: list[list[int]] = []
-        for group in groups:
-            ids = [where[id(v)] for v in group if id(v) in where]
-            ids = [i for i in ids if i not in taken]
-            taken.update(ids)
-            if ids:
-                out.append(sorted(ids))
-        rest = [i for i in range(n_dense) if i not in taken]
-        return [*out, rest] if rest else out
-    if num_groups and num_groups > 0:
-        return kit.split_groups(list(range(n_dense)), num_groups)
-    return [list(range(n_dense))] if n_dense else []
+def _batches(dense: list[Any], variables: list[Any], num_groups: int,
+             groups: Sequence[Sequence[Any]] | None) -> list[list[int]]:
+    """Positions (into ``dense``, the dense gradients) of each batch, in a rank-independent
+    order: the shared policy (:mod:`ringflow.batching`) told of every gradient at once."""
+    spec: Any = None
+    if isinstance(groups, int) or (groups is None and num_groups > 0):
+        spec = groups or num_groups
+    elif groups is not None:
+        where = {id(v): i for i, v in enumerate(variables) if v is not None}
+        spec = [[where[id(v)] for v in g if id(v) in where] for g in groups]
+    batcher = GradientBatcher(range(len(dense)), spec)
+    batches = []
+    for i, g in enumerate(dense):
+        count = g.shape.num_elements()
+        batches += batcher.ready(i, None if count is None else count * g.dtype.size)
+    return [list(b.keys) for b in batches + batcher.flush()]
 
 
 @_plain
@@ -108,8 +107,8 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None, *
     if not dense:
         return out
     tag = f"{zlib.crc32('|'.join(labels).encode()):08x}"
-    for k, group in enumerate(_groups(len(dense), [variables[i] for i in dense], num_groups,
-                                      groups)):
+    for k, group in enumerate(_batches([out[i] for i in dense], [variables[i] for i in dense],
+                                       num_groups, groups)):
         idx = [dense[j] for j in group]
         name = f"{prefix}.{tag}.g{k}" if tf.executing_eagerly() else f"{prefix}_Allreduce_g{k}"
         reduced = _reduce_group([out[i] for i in idx], name, op, prescale, postscale,

@@ -5,9 +5,10 @@ How it works (the same protocol as ``horovod.torch.DistributedOptimizer``):
 1. At construction every parameter that requires a gradient gets a post-accumulate-grad hook.
 2. During ``loss.backward()``, as soon as a parameter's gradient is accumulated, its hook counts a
    backward pass; on the ``backward_passes_per_step``-th pass it starts an asynchronous in-place
-   allreduce of ``p.grad`` (or, with ``groups``, one grouped allreduce once every member of the
-   group is ready). Communication of early gradients overlaps the rest of the backward pass; the
-   engine fuses whatever is ready together.
+   allreduce of ``p.grad``, as the shared batching policy decides (:mod:`ringflow.batching`): a
+   large gradient at once, small ones in a bucket until it is full or the pass ends, an explicit
+   ``groups`` member as one grouped allreduce once its group is complete. Communication of early
+   gradients overlaps the rest of the backward pass; the engine fuses whatever is ready together.
 3. ``step()`` calls :meth:`synchronize` (unless inside ``skip_synchronize()``), which starts the
    allreduce of every parameter whose hook did not fire - a gradient this rank did not compute is
    sent as zeros, because other ranks may have computed it - waits for everything, and then runs
@@ -32,7 +33,8 @@ from typing import Any
 import torch
 
 from .. import ProcessSet, global_process_set, size
-from .._adapter import broadcast_object, split_groups
+from .._adapter import broadcast_object
+from ..batching import Batch, GradientBatcher
 from ..compression import Compressor
 from ..errors import AdasumError, RingflowError
 from ..ops import Adasum, Average, ReduceOp
@@ -51,13 +53,7 @@ class OptimizerMisuseError(RingflowError, AssertionError):
     """A DistributedOptimizer was used out of order (Horovod raises AssertionError here)."""
 
 
-# Gradients below this size wait in a bucket, which is submitted once it holds _BUCKET_BYTES or
-# when the backward pass ends. On the 0.4 M-parameter CNN of the synthetic benchmark (10 tensors,
-# all < 1 MiB) this turned ~7 collectives per step into 1; on the 25 M-parameter MLP the 16 MiB and
-# 4 MiB weight gradients still start at once, overlapping the rest of backward.
-_SMALL_GRADIENT_BYTES = 1 << 20
-_BUCKET_BYTES = 4 << 20
-_PENDING = object()  # a handle slot whose gradient waits in the bucket
+_PENDING = object()  # a handle slot whose gradient waits in the batcher's bucket
 
 
 class _DistributedOptimizer:
@@ -96,8 +92,7 @@ class _DistributedOptimizer:
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self._handles: dict[Any, tuple[Any, Any]] = {}
-        self._bucket: list[torch.Tensor] = []
-        self._bucket_bytes = 0
+        self._batcher: GradientBatcher[torch.Tensor] = GradientBatcher([])
         self._flush_queued = False
         self._requires_update: set[torch.Tensor] = set()
         self._synchronized = False
@@ -116,8 +111,6 @@ class _DistributedOptimizer:
                             raise ValueError("A parameter can only appear once in groups.")
                         seen.add(id(p))
         self._groups = groups
-        self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
-        self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
         # As Horovod: with one rank (and not elastic) there is nothing to exchange.
         if process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
             self._register_hooks()
@@ -131,26 +124,14 @@ class _DistributedOptimizer:
                                      name="DistributedOptimizer.groups",
                                      process_set=self.process_set)
             params.sort(key=lambda p: order.index(self._parameter_names.get(p)))
-            if isinstance(self._groups, list):
-                ids = {id(p) for p in params}
-                p_groups = [[p for p in g if id(p) in ids] for g in self._groups]
-                grouped = {id(p) for g in p_groups for p in g}
-                p_groups += [[p] for p in params if id(p) not in grouped]
-            else:
-                p_groups = split_groups(params, self._groups)
-            for group in map(tuple, p_groups):
-                if not group:
-                    continue
-                for p in group:
-                    self._p_to_group[p] = group
-                self._group_counts[group] = 0
+        self._batcher = GradientBatcher(params, self._groups)
         for p in params:
             self._requires_update.add(p)
             p.register_post_accumulate_grad_hook(self._make_hook(p))
 
     def _make_hook(self, p: torch.Tensor) -> Any:
         def hook(*_: Any) -> None:
-            if p in self._handles and self._handles[p][0] is not None \
+            if p in self._handles and self._handles[p][0] not in (None, _PENDING) \
                     and self._allreduce_delay[p] <= 0:
                 raise OptimizerMisuseError(
                     "Gradients were computed more than backward_passes_per_step times before "
@@ -160,56 +141,37 @@ class _DistributedOptimizer:
                 raise OptimizerMisuseError(
                     f"the gradient of {self._parameter_names.get(p)!r} requires grad "
                     "(create_graph=True); DistributedOptimizer cannot allreduce it")
-            handle, ctx = None, None
             self._allreduce_delay[p] -= 1
-            if self._allreduce_delay[p] == 0:
-                if self._groups is not None:
-                    group = self._p_to_group[p]
-                    self._group_counts[group] += 1
-                    if self._group_counts[group] == len(group):
-                        self._handles[group] = self._grouped_allreduce_grad_async(group)
-                        for gp in group:
-                            self._handles.pop(gp, None)
-                        self._group_counts[group] = 0
-                        return
-                elif self._bucketable(p):
-                    self._bucket_add(p)
-                    return
-                else:
-                    handle, ctx = self._allreduce_grad_async(p)
-            self._handles[p] = (handle, ctx)
+            if self._allreduce_delay[p] != 0:
+                self._handles[p] = (None, None)  # not due: synchronize() sends it if need be
+                return
+            # Due: the batcher submits it now, or holds it (bucket, incomplete group) until a
+            # flush or synchronize() (which sends it alone if its group never completed).
+            self._handles[p] = (_PENDING, None)
+            grad = p.grad
+            nbytes = None if grad is None or grad.is_sparse else grad.numel() * grad.element_size()
+            self._submit(self._batcher.ready(p, nbytes))
+            if self._batcher.holding and not self._flush_queued:
+                self._flush_queued = True
+                # Runs once the current backward pass has finished (DDP uses the same hook).
+                torch.autograd.Variable._execution_engine.queue_callback(self._flush)
 
         return hook
 
-    # small gradients: submitted together --------------------------------------------------------
-    def _bucketable(self, p: torch.Tensor) -> bool:
-        grad = p.grad
-        return grad is not None and not grad.is_sparse \
-            and grad.numel() * grad.element_size() < _SMALL_GRADIENT_BYTES
+    def _submit(self, batches: list[Batch[torch.Tensor]]) -> None:
+        for keys, grouped in batches:
+            if grouped:
+                for p in keys:
+                    self._handles.pop(p, None)
+                self._handles[keys] = self._grouped_allreduce_grad_async(keys)
+            else:
+                for p in keys:
+                    self._handles[p] = self._allreduce_grad_async(p)
 
-    def _bucket_add(self, p: torch.Tensor) -> None:
-        """Hold a small gradient back until the bucket is full or the backward pass ends.
-
-        Submitting gradients one by one as they become ready makes the engine run one collective
-        per tensor for models of many small tensors; submitted together they are negotiated in
-        one cycle and fused into one buffer, as DDP's buckets are. Large gradients are not held.
-        """
-        self._handles[p] = (_PENDING, None)
-        self._bucket.append(p)
-        self._bucket_bytes += p.grad.numel() * p.grad.element_size()
-        if self._bucket_bytes >= _BUCKET_BYTES:
-            self._flush_bucket()
-        elif not self._flush_queued:
-            self._flush_queued = True
-            # Runs once the current backward pass has finished (DDP uses the same hook).
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush_bucket)
-
-    def _flush_bucket(self) -> None:
+    def _flush(self) -> None:
+        """The backward pass has ended: submit the gradients the batcher's bucket holds."""
         self._flush_queued = False
-        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
-        for p in bucket:
-            if self._handles.get(p, (None,))[0] is _PENDING:
-                self._handles[p] = self._allreduce_grad_async(p)
+        self._submit(self._batcher.flush())
 
     def _scales(self) -> tuple[float, float]:
         if self.op == Average:
@@ -281,7 +243,7 @@ class _DistributedOptimizer:
         if not self.process_set.included():
             self._synchronized = True
             return
-        self._flush_bucket()  # normally done at the end of backward already
+        self._flush()  # normally done at the end of backward already
         completed: set[Any] = set()
         for key in self._handles:
             if isinstance(key, tuple):
@@ -293,7 +255,7 @@ class _DistributedOptimizer:
                         key=lambda q: self._parameter_names.get(q) or ""):
             self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, _) in list(self._handles.items()):
-            if handle is None:
+            if handle is None or handle is _PENDING:
                 self._handles[p] = self._allreduce_grad_async(p)
         for key, (handle, ctx) in self._handles.items():
             if isinstance(key, tuple):
@@ -301,18 +263,15 @@ class _DistributedOptimizer:
                 for i, (gp, output) in enumerate(zip(key, outputs, strict=False)):
                     self._allreduce_delay[gp] = self.backward_passes_per_step
                     self._store(gp, output, None if ctx is None else ctx[i], self._compression)
-                if self._groups is not None:
-                    self._group_counts[key] = 0
                 continue
             output = handle() if callable(handle) else synchronize(handle)
             self._allreduce_delay[key] = self.backward_passes_per_step
-            if self._groups is not None:
-                self._group_counts[self._p_to_group[key]] = 0
             if callable(handle):
                 key.grad.zero_().add_(output)
                 continue
             self._store(key, output, ctx, self._compression)
         self._handles.clear()
+        self._batcher.reset()
         self._synchronized = True
 
     @contextlib.contextmanager

@@ -41,13 +41,6 @@ def test_even_splits(rows: int, parts: int, want: list[int]) -> None:
     assert kit.even_splits(rows, parts) == want
 
 
-@pytest.mark.parametrize(("n", "parts", "want"), [
-    (5, 2, [[0, 1, 2], [3, 4]]), (3, 7, [[0], [1], [2]]), (4, 1, [[0, 1, 2, 3]]), (0, 3, []),
-])
-def test_split_groups_is_horovods_split_list(n: int, parts: int, want: list[list[int]]) -> None:
-    assert kit.split_groups(list(range(n)), parts) == want
-
-
 def test_compressed_hands_core_compressors_to_the_engine_and_wraps_others() -> None:
     seen = []
 
