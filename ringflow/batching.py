@@ -2,7 +2,8 @@
 
 A training step's gradients become ready one at a time (torch's post-accumulate-grad hooks, in
 backward order) or all at once (a TensorFlow tape). :class:`GradientBatcher` is told of each one
-as it becomes ready and answers with the batches to submit now:
+as it becomes ready (:meth:`~GradientBatcher.ready`), or of all of them
+(:meth:`~GradientBatcher.all_ready`), and answers with the batches to submit now:
 
 - **Explicit groups** (Horovod's ``groups``: lists of parameters, or an int = that many
   consecutive runs of the rank-independent order, :func:`split_groups`): a group is one batch,
@@ -12,7 +13,8 @@ as it becomes ready and answers with the batches to submit now:
   the rest of backward. A smaller one waits in a bucket, which becomes a batch when it holds
   ``bucket_bytes`` or when the pass ends (:meth:`GradientBatcher.flush`). On a model of many small
   tensors this turns one collective per tensor into one per bucket (DDP's buckets do the same);
-  the engine fuses whatever is submitted together anyway.
+  the engine fuses whatever is submitted together anyway. Gradients that are all ready at once
+  have no backward pass left to overlap: they are one batch.
 
 Horovod reduces the parameters that no explicit group names one by one; here they follow the size
 rule (the results are the same: batching decides only which tensors are negotiated together).
@@ -100,6 +102,14 @@ class GradientBatcher(Generic[K]):
         self._bucket.append(key)
         self._bucket_nbytes += nbytes
         return self.flush() if self._bucket_nbytes >= self.bucket_bytes else []
+
+    def all_ready(self, keys: Iterable[K]) -> list[Batch[K]]:
+        """Every gradient of ``keys`` is ready at once (a tape): the explicit groups, then all the
+        others as one batch. The size rule exists to overlap a large gradient's exchange with the
+        rest of backward; with nothing left to overlap, one operation costs least (measured: a
+        TF tape of a 10 M-parameter MLP at 2 ranks, 6-16% slower per step in four batches)."""
+        rest = tuple(k for k in keys if k not in self._group_of)
+        return [Batch(g, True) for g in self.groups] + ([Batch(rest, False)] if rest else [])
 
     @property
     def holding(self) -> bool:

@@ -63,6 +63,7 @@ from .config import Config
 from .errors import RingflowError, ShutdownError, from_wire
 from .executor import Entry, Executor, eager_input, output_of, unpack
 from .handles import Handle
+from .lane import SoloLane
 from .liveness import Liveness
 from .messages import (
     TIMELINE,
@@ -127,7 +128,8 @@ class Engine:
         # lane: of them, those that took the same-host lane (ringflow.lane).
         self.stats = {"collectives": 0, "tensors": 0, "bits_sent": 0, "requests_sent": 0,
                       "eager": 0, "lane": 0}
-        self.lane = backends.lane if size > 1 and config.lane_wait_us > 0 else None
+        self.lane = (backends.lane if size > 1 else SoloLane()) if config.lane_wait_us > 0 \
+            else None
         # Everything below is control state, guarded by _lock, except _inbox (the engine
         # thread's queue) and _fatal (written by the engine thread only).
         self._lock = threading.RLock()

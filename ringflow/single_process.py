@@ -49,7 +49,13 @@ __all__ = ["in_single_process_scope", "single_process_scope"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_local = threading.local()  # .depth: nesting of the local mode on this thread
+
+
+class _Local(threading.local):
+    depth = 0  # nesting of the local mode on this thread (a class default: no AttributeError)
+
+
+_local = _Local()
 # Calls made so far by this process: never reset, so that a key is never reused, even after
 # shutdown() and init() (the store keeps its keys for the whole job). A rank that is a thread
 # of ringflow.testing.run_engines counts per binding (each run has a fresh store).
@@ -64,12 +70,12 @@ _POLL_S = 60.0
 
 def in_single_process_scope() -> bool:
     """Whether this thread is inside :func:`single_process_scope` (the local mode)."""
-    return getattr(_local, "depth", 0) > 0
+    return _local.depth > 0
 
 
 @contextlib.contextmanager
 def _local_mode() -> Iterator[None]:
-    _local.depth = getattr(_local, "depth", 0) + 1
+    _local.depth = _local.depth + 1
     try:
         yield
     finally:
@@ -173,7 +179,7 @@ def _run_on_root(root: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> A
 def _counter() -> itertools.count[int]:
     from . import runtime
 
-    binding = getattr(runtime._local, "binding", None)
+    binding = runtime._local.binding
     if binding is None:
         return _calls
     return _binding_calls.setdefault(binding, itertools.count())

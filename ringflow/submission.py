@@ -123,7 +123,7 @@ def device_array(ns: devices.ArrayNamespace, array: Any, what: str
 
 
 #: engine -> (kind, name, process set, dtype, shape, fields) -> the request of a C-contiguous
-#: numpy input without an output, as :func:`request` built it last time: a training loop
+#: numpy input with no output or a valid one, as :func:`request` built it last time: a training loop
 #: submits the same names with the same metadata every step, and the checks and the Request
 #: cost ~9 us a call. Cleared when it reaches :data:`_MEMO_SIZE` (names that never repeat).
 _memos: weakref.WeakKeyDictionary[Any, dict[tuple, Request]] = weakref.WeakKeyDictionary()
@@ -136,7 +136,9 @@ def request(kind: str, array: Any, name: str, process_set: ProcessSet, out: Any 
 
     ``fields`` may carry an ``error`` the caller found already (it wins)."""
     key = None
-    if type(array) is np.ndarray and out is None and array.flags.c_contiguous:
+    if type(array) is np.ndarray and array.flags.c_contiguous and (out is None or (
+            type(out) is np.ndarray and out.flags.c_contiguous and out.shape == array.shape)):
+        # What _request computes for this case does not depend on the (valid) output.
         eng = running()
         memo = _memos.get(eng)
         if memo is None:
@@ -144,7 +146,7 @@ def request(kind: str, array: Any, name: str, process_set: ProcessSet, out: Any 
         key = (kind, name, process_set.process_set_id, array.dtype, array.shape, *fields.items())
         req = memo.get(key)
         if req is not None:
-            return req, array, None
+            return req, array, out
     req, arr, out = _request(kind, array, name, process_set, out, **fields)
     if key is not None:
         if len(memo) >= _MEMO_SIZE:

@@ -35,7 +35,8 @@ the clock (offset ~0); other hosts' clocks are measured, not assumed.
 **Transport of events.** Ranks other than 0 keep compact records of their finished operations
 and send them to rank 0 (``TraceEvents``) with each heartbeat (every ``min(1 s, timeout_s / 4)``),
 when 256 have piled up, and, marked last, when they stop the timeline or shut down; rank 0 waits
-up to :data:`FINAL_WAIT_S` for those last ones when it closes the file. Every event is a complete
+up to :data:`FINAL_WAIT_S` for those last ones when it closes the file, and for the first answer
+of any rank it has not heard from (which says whether that rank records). Every event is a complete
 (``X``) or instant (``i``) event, so a file is valid trace-event JSON even when a rank died
 before sending its last records; the file is one JSON object per line inside an array, flushed
 as written, so a crashed job's trace opens too. Records wait at rank 0 until their rank's clock
@@ -294,6 +295,7 @@ class TraceWriter:
             if reply.recording:
                 self.recording.add(src)
             changed = clock.add(rtt, offset)
+            self._cond.notify_all()  # close() may wait for this rank's first answer
             burst = clock.count < PROBES
             if clock.count == PROBES or (changed and not burst):
                 rtt_best, off = clock.best or (rtt, offset)
@@ -314,11 +316,18 @@ class TraceWriter:
             if clock.count >= PROBES:
                 self._send(rank, ClockProbe(_clock()))
 
+    def _waiting(self) -> bool:
+        """Whether a rank may still send records: it records and has not sent its last ones, or
+        it has not been heard from at all (its answer to the first probe says whether it
+        records: a rank that started recording before rank 0 did announced it to nobody)."""
+        return bool(self.recording - self.finished) or any(
+            c.count == 0 and r not in self.recording for r, c in self._clocks.items())
+
     def close(self, wait_s: float) -> None:
         """Wait up to ``wait_s`` for every recording rank's last records; finish the file."""
         deadline = time.monotonic() + wait_s
         with self._cond:
-            while self.recording - self.finished and (left := deadline - time.monotonic()) > 0:
+            while self._waiting() and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
             if self._file is None:
                 return

@@ -19,9 +19,9 @@ Every collective works eagerly and inside ``tf.function`` and is differentiable 
   (Horovod: the global set only).
 - ``device_dense`` / ``device_sparse`` are accepted and ignored: data moves through host memory.
 - ``num_groups``/``groups`` decide which gradients are negotiated together; fusion itself is the
-  engine's and happens either way. Gradients that no group names are batched by size, by the
-  policy the torch optimizer shares (:mod:`ringflow.batching`): a tape of small gradients is one
-  op per step, where Horovod issues one allreduce per ungrouped gradient.
+  engine's and happens either way. By the batching policy the torch optimizer shares
+  (:mod:`ringflow.batching`), a tape's gradients that no group names are one op per step, where
+  Horovod issues one allreduce per ungrouped gradient.
 - Collective ops of one graph run in the order they were traced (a control-dependency chain):
   a pure-Python op blocks its thread, so this is what keeps ranks from deadlocking.
 - ``SyncBatchNormalization`` weights each rank's statistics by its row count (exact for unequal

@@ -6,8 +6,8 @@
    path (allgather of values and indices).
 2. Dense gradients are batched by the policy the torch optimizer uses (:mod:`ringflow.batching`),
    told of every gradient at once: explicit ``groups`` of variables (or ``groups``/``num_groups``
-   equal contiguous runs), the rest by size (each large gradient alone, small ones in buckets).
-   Each batch is one grouped op; the engine fuses whatever is submitted together anyway.
+   equal contiguous runs), then all the others as one batch (default: one op per step). Each
+   batch is one grouped op; the engine fuses whatever is submitted together anyway.
 3. ``gradient_predivide_factor`` f splits the average into a prescale 1/f and a postscale f/n
    (Horovod's semantics; only with op=Average).
 4. Gradients of *local* variables (``PartialDistributedGradientTape``) are not reduced; with
@@ -37,22 +37,18 @@ __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "allredu
 _plain = tf.autograph.experimental.do_not_convert
 
 
-def _batches(dense: list[Any], variables: list[Any], num_groups: int,
-             groups: Sequence[Sequence[Any]] | None) -> list[list[int]]:
-    """Positions (into ``dense``, the dense gradients) of each batch, in a rank-independent
-    order: the shared policy (:mod:`ringflow.batching`) told of every gradient at once."""
+def _batches(n_dense: int, variables: list[Any], num_groups: int,
+             groups: Sequence[Sequence[Any]] | int | None) -> list[list[int]]:
+    """Positions (into the dense gradients) of each batch, in a rank-independent order: the
+    shared policy (:mod:`ringflow.batching`) told of every gradient at once."""
     spec: Any = None
     if isinstance(groups, int) or (groups is None and num_groups > 0):
         spec = groups or num_groups
     elif groups is not None:
         where = {id(v): i for i, v in enumerate(variables) if v is not None}
         spec = [[where[id(v)] for v in g if id(v) in where] for g in groups]
-    batcher = GradientBatcher(range(len(dense)), spec)
-    batches = []
-    for i, g in enumerate(dense):
-        count = g.shape.num_elements()
-        batches += batcher.ready(i, None if count is None else count * g.dtype.size)
-    return [list(b.keys) for b in batches + batcher.flush()]
+    batcher = GradientBatcher(range(n_dense), spec)
+    return [list(b.keys) for b in batcher.all_ready(range(n_dense))]
 
 
 @_plain
@@ -107,8 +103,8 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None, *
     if not dense:
         return out
     tag = f"{zlib.crc32('|'.join(labels).encode()):08x}"
-    for k, group in enumerate(_batches([out[i] for i in dense], [variables[i] for i in dense],
-                                       num_groups, groups)):
+    for k, group in enumerate(_batches(len(dense), [variables[i] for i in dense], num_groups,
+                                       groups)):
         idx = [dense[j] for j in group]
         name = f"{prefix}.{tag}.g{k}" if tf.executing_eagerly() else f"{prefix}_Allreduce_g{k}"
         reduced = _reduce_group([out[i] for i in idx], name, op, prescale, postscale,

@@ -1,6 +1,7 @@
 """The same-host lane (ringflow.lane) at the thread tier: n engines on shared memory.
 
-Small cached allreduces submitted while a rank is idle are posted on the lane; the lane must give
+Small cached allreduces submitted while a rank is idle are posted on the lane (a job of one rank:
+:class:`~ringflow.lane.SoloLane`, which commits every post at once); the lane must give
 the bits the coordinator's eager path gives, and every situation where the ranks do not all post
 the same name at about the same time (other orders, a late rank, a mismatch, joined ranks,
 operations in flight) must end on the normal path with its usual result or error.
@@ -81,7 +82,7 @@ def run_cases(n: int, config: Config) -> list[tuple[dict, list[bytes]]]:
     return run_engines(n, body, config, deadline=DEADLINE, shm=True)
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", [1, *SIZES])
 def test_the_lane_gives_the_eager_paths_bits_and_the_closed_form(n: int) -> None:
     lane = run_cases(n, PATIENT)
     eager = run_cases(n, NO_LANE)
@@ -94,6 +95,8 @@ def test_the_lane_gives_the_eager_paths_bits_and_the_closed_form(n: int) -> None
     cached = 2 * len(CASES) * len(LENGTHS)
     assert sum(s["lane"] for s, _ in lane) > 0, [s for s, _ in lane]
     assert all(s["collectives"] == cached for s, _ in lane)
+    if n == 1:  # a job of one rank: nobody to wait for, every cached operation (SoloLane)
+        assert lane[0][0]["lane"] == cached
     # The closed form, from the last round's bytes on rank 0.
     k = 0
     for i, (dtype, op, pre, post, c) in enumerate(CASES):

@@ -67,3 +67,11 @@ def test_an_int_splits_the_order_and_reset_forgets_partial_groups() -> None:
     assert not b.holding
     assert b.ready(2, 1) == [] and b.ready(0, 1) == [] and b.ready(1, 1) == [
         Batch((0, 1, 2), True)]
+
+
+def test_all_ready_at_once_is_the_groups_then_one_batch_of_the_rest() -> None:
+    b = GradientBatcher(range(6), [[4, 1]])
+    assert b.all_ready(range(6)) == [Batch((4, 1), True), Batch((0, 2, 3, 5), False)]
+    assert GradientBatcher(range(4), 2).all_ready(range(4)) == [
+        Batch((0, 1), True), Batch((2, 3), True)]
+    assert GradientBatcher([]).all_ready([]) == []

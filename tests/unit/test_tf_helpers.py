@@ -39,34 +39,19 @@ def test_graph_names_are_scoped_unique_and_deterministic() -> None:
 
 
 @pytest.mark.parametrize(("n", "num_groups", "want"), [
-    (5, 0, [[0, 1, 2, 3, 4]]),  # small gradients: one bucket
+    (5, 0, [[0, 1, 2, 3, 4]]),  # all ready at once: one batch
     (5, 2, [[0, 1, 2], [3, 4]]),  # Horovod's split_list: the first groups take the rest
     (3, 7, [[0], [1], [2]]),
     (0, 0, []),
 ])
 def test_gradient_batches(n: int, num_groups: int, want: list[list[int]]) -> None:
-    dense = [tf.ones([3])] * n
-    assert gradient_tape._batches(dense, [object()] * n, num_groups, None) == want
+    assert gradient_tape._batches(n, [object()] * n, num_groups, None) == want
 
 
-def test_explicit_groups_and_sizes_decide_the_batches() -> None:
+def test_explicit_groups_then_the_rest_as_one_batch() -> None:
     a, b, c, d, e = (tf.Variable(float(i)) for i in range(5))
-    dense = [tf.ones([2])] * 4 + [tf.zeros([512, 1024])]  # the last one is 2 MiB: alone
-    assert gradient_tape._batches(dense, [a, b, c, d, e], 0, [[c, a], [d]]) == [
-        [2, 0], [3], [4], [1]]
-    assert gradient_tape._batches(dense, [a, b, c, d, e], 0, 2) == [[0, 1, 2], [3, 4]]
-
-
-def test_unknown_shapes_go_alone() -> None:
-    got = []
-
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
-    def trace(x):
-        got.append(gradient_tape._batches([x, tf.ones([2]), x], [None] * 3, 0, None))
-        return x
-
-    trace(tf.ones([4]))
-    assert got == [[[0], [2], [1]]]
+    assert gradient_tape._batches(5, [a, b, c, d, e], 0, [[c, a], [d]]) == [[2, 0], [3], [1, 4]]
+    assert gradient_tape._batches(5, [a, b, c, d, e], 0, 2) == [[0, 1, 2], [3, 4]]
 
 
 def test_predivide_needs_average() -> None:
