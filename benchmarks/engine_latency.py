@@ -1,8 +1,8 @@
 """Engine latency on this host: one small allreduce, and one step of many tensors.
 
-    python benchmarks/engine_latency.py [--np 2 4] [--rounds 3] [--iters 2000] [--tensors 1000]
+    python benchmarks/engine_latency.py [--np 1 2 4] [--rounds 3] [--iters 2000] [--tensors 1000]
 
-For each world size of ``--np`` (default 2 and 4), starts ``ringflow-run -np N`` (its default
+For each world size of ``--np`` (default 1, 2 and 4), starts ``ringflow-run -np N`` (its default
 placement) alternately with the same-host lane on (the default) and off
 (``RINGFLOW_LANE_WAIT_US=0``: small cached allreduces go through rank 0, the eager path),
 ``--rounds`` times each, and prints the medians of:
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--np", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--np", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=3,
                         help="jobs per configuration, alternating (medians are reported)")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)

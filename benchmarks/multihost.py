@@ -2,6 +2,7 @@
 
     sudo python benchmarks/multihost.py                   # 1 Gbit/s links, 256 MiB, 3 repeats
     sudo python benchmarks/multihost.py --rate 500mbit --mib 64 --repeats 5
+    sudo python benchmarks/multihost.py --hosts 2 3 4 5 6 7 8 --plot docs/benchmarks/hosts.png
 
 Builds 4 hosts on this machine (network namespaces on a bridge running sshd:
 ``tests/multihost/netns_cluster.py``) and limits every host's link with a token-bucket qdisc
@@ -13,10 +14,10 @@ exit, failure included. Without root or ``ip netns`` the script says why and exi
 Measured, float32 SUM allreduce of ``S`` bytes, ``--repeats`` jobs of ``--warmup`` + ``--iters``
 allreduces each; an allreduce's time is the slowest rank's, after a barrier:
 
-1. ``n`` = 2 and 4 hosts, one rank each: ringflow (engine path; one rank per host means the TCP
-   ring) against the ring bound ``2 (n-1)/n * S / R``, reported as ``bound / time`` (1.0 = the
-   link is never idle), and ``torch.distributed`` gloo started by the same launcher in the same
-   namespaces on the same links.
+1. ``n`` hosts (``--hosts``, 2 and 4 by default), one rank each: ringflow (engine path; one
+   rank per host means the TCP ring) against the ring bound ``2 (n-1)/n * S / R``, reported as
+   ``bound / time`` (1.0 = the link is never idle), and ``torch.distributed`` gloo started by the
+   same launcher in the same namespaces on the same links; ``--plot`` draws it.
 2. 2 hosts x 2 ranks: the hierarchical path (the default for this layout) against
    ``RINGFLOW_TRANSPORT=tcp`` (one ring over all 4 ranks): the bytes each host sent on its link
    per allreduce (its veth's ``tx_bytes``, read by the host's local rank 0 around the timed
@@ -51,6 +52,33 @@ import netns_cluster  # noqa: E402
 
 WORKER = os.path.join(ROOT, "tests", "multihost", "allreduce_worker.py")
 CEILING = 1448 / 1514
+
+
+def plot(path: str, runs: dict, hosts: list[int], nbytes: int, bps: float, rate: str) -> None:
+    """``bound / time`` (1.0: the link never idle) against the number of hosts, per peer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for peer in ("ringflow", "gloo"):
+        xs = [n for n in hosts if runs.get(f"{peer}/{n}")]
+        ys = [2 * (n - 1) / n * nbytes * 8 / bps
+              / statistics.median(t for t, _ in runs[f"{peer}/{n}"]) for n in xs]
+        if xs:
+            ax.plot(xs, ys, marker="o", label=peer)
+    ax.axhline(CEILING, linestyle="--", color="gray", label="TCP ceiling (MTU 1500)")
+    ax.set_xlabel("namespace hosts (one rank each)")
+    ax.set_ylabel("ring bound / time")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"{nbytes >> 20} MiB allreduce, {rate} links")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def gloo_worker(args: argparse.Namespace) -> None:
@@ -154,6 +182,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="jobs per configuration")
     ap.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
     ap.add_argument("--json", default="", help="also write every job's figures here")
+    ap.add_argument("--plot", default="", help="also plot bound / time against hosts (PNG)")
     args = ap.parse_args()
     if args.gloo_worker:
         gloo_worker(args)
@@ -240,6 +269,8 @@ def main() -> int:
                     f"{statistics.median(gl_t) / statistics.median(rf_t):.2f}"]
         print("| " + " | ".join(row) + " |")
     print(f"\nCeiling for TCP over MTU 1500: {CEILING:.3f} of the bound.\n")
+    if args.plot:
+        plot(args.plot, runs, args.hosts, nbytes, bps, args.rate)
     host_bound = 2 * (2 - 1) / 2 * nbytes
     rank_bound = 2 * (4 - 1) / 4 * nbytes
     print(f"### 2 hosts x 2 ranks, {mib}: bytes each host sent on its link per allreduce "
