@@ -64,12 +64,16 @@ __all__ = ["allreduce", "reducescatter"]
 
 
 def reduce_scatter_ring(
-    t: Link, flat: np.ndarray, bounds: list[tuple[int, int]], red: Reduction
+    t: Link, flat: np.ndarray, bounds: list[tuple[int, int]], red: Reduction,
+    src: np.ndarray | None = None,
 ) -> None:
     """Reduce-scatter of ``flat`` in place: afterwards ``flat[bounds[t.rank]]`` is reduced.
 
     The other segments hold partial results. All sends have completed on return, so the caller
-    may overwrite any part of ``flat``.
+    may overwrite any part of ``flat``. With ``src`` (the input, apart from ``flat``, needing no
+    prescale) ``flat`` starts empty: the first segment is sent from ``src`` and each received
+    chunk's own part is copied from ``src`` just before it is combined (while it is in cache,
+    and while the link carries the rest); segment ``r - 1`` of ``flat`` is left unwritten.
     """
     n, r = t.size, t.rank
     nxt, prv = (r + 1) % n, (r - 1) % n
@@ -83,7 +87,8 @@ def reduce_scatter_ring(
     recv_bufs = np.empty((2, longest), flat.dtype)
     scratch = red.scratch(longest)
 
-    sends = [t.isend(as_bytes(flat[lo:hi]), nxt) for lo, hi in chunks[(r - 1) % n]]
+    first = flat if src is None else src
+    sends = [t.isend(as_bytes(first[lo:hi]), nxt) for lo, hi in chunks[(r - 1) % n]]
     pending = t.irecv(as_bytes(recv_bufs[0, : plan[0][2] - plan[0][1]]), prv) if plan else None
     for i, (last, lo, hi) in enumerate(plan):
         pending.wait()
@@ -91,6 +96,8 @@ def reduce_scatter_ring(
             _, lo2, hi2 = plan[i + 1]
             pending = t.irecv(as_bytes(recv_bufs[(i + 1) % 2, : hi2 - lo2]), prv)
         acc, got = flat[lo:hi], recv_bufs[i % 2, : hi - lo]
+        if src is not None:
+            np.copyto(acc, src[lo:hi])
         if last:
             red.finish(acc, got, scratch)
         else:
@@ -120,24 +127,33 @@ def allgather_ring(t: Link, flat: np.ndarray, bounds: list[tuple[int, int]]) -> 
         work.wait()
 
 
-def allreduce(t: Link, buf: np.ndarray, op: ReduceOp, postscale: float = 1.0) -> None:
-    """Reduce ``buf`` over all ranks in place (ring; see the module docstring).
+def allreduce(t: Link, buf: np.ndarray, op: ReduceOp, postscale: float = 1.0,
+              src: np.ndarray | None = None) -> None:
+    """Reduce ``buf`` over all ranks in place (ring; see the module docstring), or, with ``src``,
+    reduce ``src`` (not modified; same dtype and size) into ``buf``.
 
     ``buf`` is a writable C-contiguous array (any shape; treated as 1-D) of the same dtype and
-    size on every rank. Raises TensorError for an unsupported dtype/op (before any message), or
-    PeerError, RingflowTimeoutError or ProtocolError from the transport, after which the contents
-    of ``buf`` are unspecified.
+    size on every rank. An out-of-place call costs no separate copy pass: the copy of ``src`` is
+    folded into the reduce-scatter, chunk by chunk (the same bits as copying first). Raises
+    TensorError for an unsupported dtype/op (before any message), or PeerError,
+    RingflowTimeoutError or ProtocolError from the transport, after which the contents of ``buf``
+    are unspecified.
     """
     flat = inplace_flat(buf, "allreduce buffer")
     red = Reduction(flat.dtype, op, postscale, t.size, "allreduce buffer")
     if flat.size == 0:
         return
+    if src is not None:
+        src = src.reshape(-1)
+        if t.size == 1 or red.prescale != 1.0 or np.may_share_memory(src, flat):
+            np.copyto(flat, src)
+            src = None
     if t.size == 1:
         scale_only(flat, red)
         return
     bounds = even_split(flat.size, t.size)
     red.prescale_inplace(flat)
-    reduce_scatter_ring(t, flat, bounds, red)
+    reduce_scatter_ring(t, flat, bounds, red, src)
     if fault.ARMED:
         fault.hit("data_mid", flat.nbytes)
     allgather_ring(t, flat, bounds)

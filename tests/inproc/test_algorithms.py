@@ -127,6 +127,44 @@ def test_allreduce(transport: str, n: int, dtype: np.dtype) -> None:
         same_bits([res[k] for res in results], what)
 
 
+@pytest.mark.parametrize("chunk", [None, 1024])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int64", "bool"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_out_of_place_ring_gives_the_in_place_bits_and_keeps_its_input(
+        monkeypatch: pytest.MonkeyPatch, n: int, dtype: str, chunk: int | None) -> None:
+    # The copy of the input is folded into the reduce-scatter (ring.allreduce(src=...)).
+    from ringflow.algorithms import ring
+
+    if chunk:
+        monkeypatch.setattr(buffers, "CHUNK_BYTES", chunk)  # many chunks per segment
+    dt = DTYPES[dtype]
+    cases = [(length, op, ps) for length in lengths(n, 10_007) for op in ops_for(dt)
+             for ps in ((1.0, 3.0) if dt != np.bool_ else (1.0,))]
+
+    def body(t):
+        out = []
+        for length, op, ps in cases:
+            src = contribution(t.rank, n, length, dt, op)
+            keep = src.copy()
+            into = np.full(length, 7, dt)  # stale contents must not leak into the result
+            ring.allreduce(t, into, op, ps, src=src)
+            assert src.tobytes() == keep.tobytes(), "the input was modified"
+            ring.allreduce(t, src, op, ps)
+            out.append((into, src))
+        return out
+
+    results = run_ranks(n, body, deadline=DEADLINE)
+    for k, (length, op, ps) in enumerate(cases):
+        what = f"out of place {op.name} x{ps} n={n} length={length} {dtype}"
+        for rank in range(n):
+            into, inplace = results[rank][k]
+            assert into.tobytes() == inplace.tobytes(), f"{what}: rank {rank}"
+        if ps == 1.0 or op in (ReduceOp.SUM, ReduceOp.AVERAGE):  # the closed forms
+            for rank in range(n):
+                check_reduced(results[rank][k][0], expected(n, length, dt, op, ps), dt, what)
+        same_bits([res[k][0] for res in results], what)
+
+
 @pytest.mark.parametrize("dtype", [d for d in ALL_DTYPES if d != np.bool_], ids=str)
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_allreduce_postscale(n: int, dtype: np.dtype) -> None:
