@@ -162,13 +162,16 @@ class Lane:
         self._mine[_STATE] = EMPTY
 
 
+_NOTHING = np.empty(0, np.uint8)  # SoloLane's data between operations
+
+
 class SoloLane:
     """The lane of a job of one rank: no segment, no lock; a post is committed when it is made."""
 
     size = 1
 
     def __init__(self) -> None:
-        self._data: np.ndarray | None = None
+        self._data = _NOTHING
 
     def set_busy(self, busy: bool) -> None:
         pass
@@ -190,8 +193,7 @@ class SoloLane:
         return False
 
     def reduce(self, out: np.ndarray, op: ReduceOp, postscale: float) -> None:
-        data, self._data = self._data, None
-        assert data is not None
+        data, self._data = self._data, _NOTHING  # the caller's array is not kept
         if postscale == 1.0 and not (op == ReduceOp.AVERAGE and data.dtype == np.bool_):
             np.copyto(out, data)  # one part, unscaled: what reduce_parts computes, set-up spared
         else:
