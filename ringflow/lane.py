@@ -194,7 +194,4 @@ class SoloLane:
 
     def reduce(self, out: np.ndarray, op: ReduceOp, postscale: float) -> None:
         data, self._data = self._data, _NOTHING  # the caller's array is not kept
-        if postscale == 1.0 and not (op == ReduceOp.AVERAGE and data.dtype == np.bool_):
-            np.copyto(out, data)  # one part, unscaled: what reduce_parts computes, set-up spared
-        else:
-            reduce_parts([data], 0, out.size, out, op, postscale)
+        reduce_parts([data], 0, out.size, out, op, postscale)

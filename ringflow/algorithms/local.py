@@ -52,6 +52,11 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
     if dtype == np.bool_ and (op == ReduceOp.AVERAGE or postscale != 1.0):
         raise TensorError("a bool tensor cannot be averaged or scaled; use Sum, Min, Max or "
                           "Product, or cast it to a numeric dtype")
+    if len(parts) == 1 and factor == 1.0 and mirror is None:
+        # One contribution, unscaled (a job or set of one rank): the result is the part itself,
+        # whatever the dtype, and dst may be the part (in place).
+        np.copyto(dst[lo:hi], parts[0][lo:hi])
+        return
     wide = is_float16ish(dtype)
     acc_dtype = np.dtype(np.float32 if wide else dtype)
     scale_ints = dtype.kind in "iu" and factor != 1.0  # scaled in a float64 block of its own
