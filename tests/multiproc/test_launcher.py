@@ -101,7 +101,12 @@ BOUND = """
     early.start()  # a thread from before init() must be pinned too
     rf.init()
     rf.allreduce(np.ones(3), name="warm")  # engine and transport threads are running
-    masks = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+    masks = set()
+    for t in os.listdir("/proc/self/task"):
+        try:
+            masks.add(tuple(sorted(os.sched_getaffinity(int(t)))))
+        except ProcessLookupError:  # a short-lived thread ended between listing and asking
+            pass
     print(f"rank {rf.rank()} cpus {sorted(masks)}")
     rf.shutdown()
 """
