@@ -112,7 +112,6 @@ class _Peer:
     # sending -----------------------------------------------------------------------------------
     def send(self, tag: int, payload: memoryview, work: _Work) -> None:
         bufs = [memoryview(_HDR.pack(tag, payload.nbytes)), payload]
-        failure: OSError | None = None
         with self._send_ready:
             if self.error is not None:
                 raise self.error
@@ -125,18 +124,19 @@ class _Peer:
                 except BlockingIOError:
                     pass
                 except OSError as exc:
-                    failure = exc
+                    log.debug("writing to rank %d failed: %s; the sender thread tries again",
+                              self.rank, exc)
                 finally:
                     self._send_lock.release()
-            if failure is None:
-                if bufs:
-                    self._sends.append((bufs, work))
-                    self._send_ready.notify()
-                else:
-                    work.finish()
-                return
-        # fail() takes _send_ready itself: call it only after leaving the block above.
-        raise self._send_failed(failure) from failure
+            if bufs:
+                # The rest, or a write that failed, goes to the sender thread: a failed write
+                # waits there for the reader (_send_failed), never in this caller, which may hold
+                # a lock the reader needs to deliver what it has read (the engine's control lock:
+                # a 5 s stall of a coordinator's survivors under load, before).
+                self._sends.append((bufs, work))
+                self._send_ready.notify()
+            else:
+                work.finish()
 
     def _send_failed(self, exc: OSError) -> BaseException:
         """The error of a write that failed, the peer failed with it. A peer that said goodbye
@@ -144,9 +144,8 @@ class _Peer:
         its goodbye may still sit unread in the socket when this rank's reader thread is slow to
         run (seen on a loaded 2-core host: the coordinator's plan to a rank that had left hit a
         closed socket before the goodbye was read). The reader reads up to that end at once;
-        wait for it, a little."""
-        if threading.current_thread() is not self._reader:
-            self._reader.join(_GOODBYE_GRACE_S)
+        wait for it, a little (on the sender thread, which holds no lock the reader needs)."""
+        self._reader.join(_GOODBYE_GRACE_S)
         log.debug("sending to rank %d failed: %s", self.rank, exc)
         error: RingflowError = (ShutdownError(f"rank {self.rank} has shut down") if self.departed
                                 else lost(self.rank))
