@@ -170,6 +170,11 @@ class Engine:
         self._thread.start()
         self._liveness.start(self, Engine._beat, f"ringflow-heartbeat-{rank}")
 
+    @property
+    def fatal(self) -> BaseException | None:
+        """The job's fatal error as this rank knows it, once the job has failed."""
+        return self._fatal
+
     def _control(self) -> _Control:
         """Hold the control lock; complete the handles finished inside once it is released."""
         return self._ctl

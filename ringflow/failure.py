@@ -38,6 +38,13 @@ hook it replaced, which prints the traceback as before. A program that sets its 
 ``init()`` replaces it; the atexit shutdown then finds the uncaught exception in
 ``sys.last_value`` and reports it there, later (after non-daemon threads were joined). A
 ``SystemExit`` (``sys.exit(3)``, the launcher's SIGTERM) is an exit, not a crash: no status.
+
+A rank that ends without an uncaught exception (it caught the job's PeerError and called
+``sys.exit(3)``, or its script ended) after its job failed because of another rank writes the
+status ``"peer"`` with the job's error when it shuts ringflow down (``shutdown()`` or the atexit
+shutdown), before the process ends. Without it such a rank counted as its own failure, and when
+it exited before the launcher saw the killed rank go (they can be milliseconds apart), the
+launcher named it instead of the rank that was killed.
 """
 
 from __future__ import annotations
@@ -178,6 +185,13 @@ def at_exit() -> None:
     exc = getattr(sys, "last_value", None)
     if exc is not None:
         report(exc, getattr(sys, "last_traceback", None))
+
+
+def at_shutdown(fatal: BaseException | None) -> None:
+    """The process's engine shuts down after its job failed with ``fatal`` (None: it did not):
+    if another rank's failure caused it, say so, unless this rank reported already."""
+    if fatal is not None and caused_by_peer(fatal):
+        report(fatal)
 
 
 def forget() -> None:

@@ -208,6 +208,8 @@ def shutdown() -> None:
             engine, _engine = _engine, None
     if engine is not None:
         log.debug("shutting down")
+        if binding is None:
+            failure.at_shutdown(engine.fatal)
         engine.shutdown()
 
 

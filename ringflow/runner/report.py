@@ -10,10 +10,11 @@ launcher saw them fail:
 
 1. the first rank whose failure is its own: a status ``"crashed"``, or no status at all (killed by
    a signal, failed before ``init()``, not a Python program, did not start);
-2. else a rank that the launcher had to stop whose status says it crashed (it raised, then hung
-   on its way out: a non-daemon thread);
+2. else a rank that the launcher had to stop whose status does not say ``"peer"``: one that
+   crashed, then hung on its way out (a non-daemon thread); else one that said nothing because
+   it could not (it froze, and the others failed because it stopped responding);
 3. else the first rank that failed (every failure says "because of another rank": the job's own
-   error, such as a stall, or a rank that froze).
+   error, such as a stall).
 
 The report shows that rank's own traceback (from its status, else the tail of its stderr) and
 lists the ranks that failed because of it.
@@ -131,7 +132,8 @@ def root_cause(
     first = own[0] if own else None
     if first is None:
         hung = [dataclasses.replace(e, status=s) for e in stopped
-                if (s := read(e.rank)) is not None and not s.secondary]
+                if (s := read(e.rank)) is None or not s.secondary]
+        hung.sort(key=lambda e: e.status is None)  # one that says it crashed, before a silent one
         first = hung[0] if hung else failed[0]
     secondary = tuple(sorted(e.rank for e in failed
                              if e.rank != first.rank and e.status is not None

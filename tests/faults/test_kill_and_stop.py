@@ -96,6 +96,8 @@ def test_stopped_rank_is_detected_within_timeout(tmp_path, victim):
           f"{min(delays):.2f}-{max(delays):.2f} s: {error['text']!r}")
     assert f"rank {victim} has not responded" in error["text"], error
     assert timeout_s <= min(delays) and max(delays) <= timeout_s + 2.0
+    # The survivors said they failed because of another rank: the launcher names the stopped one.
+    assert f"ringflow-run: rank {victim} on host" in job.stderr, job.stderr[-3000:]
     # The launcher ended the job: the stopped rank too.
     assert alive([res["pid"] for res in survivors.values()]) == []
 

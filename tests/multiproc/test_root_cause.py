@@ -108,6 +108,35 @@ def test_a_rank_killed_by_a_signal_is_reported_before_those_that_lost_it(tmp_pat
     assert "ringflow-run: ranks 0, 1 then failed because of it" in proc.stderr
 
 
+def test_ranks_that_catch_the_error_and_exit_first_are_not_taken_for_the_cause(tmp_path):
+    """Rank 0 catches the PeerError and calls sys.exit(3) at once; rank 1, which died without a
+    word, is seen to exit only seconds later (a helper of its ignores the SIGTERM its supervisor
+    sends). The launcher still names rank 1: rank 0 said, shutting down, whose failure it was."""
+    body = """
+        import os, subprocess, sys, time
+        import numpy as np
+        import ringflow as rf
+
+        rf.init()
+        rf.allreduce(np.ones(3), name="warm")
+        if rf.rank() == 1:
+            subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+            time.sleep(0.5)
+            os._exit(7)  # no goodbye, no status: as if it were killed
+        try:
+            rf.allreduce(np.ones(3), name="x")
+        except rf.errors.PeerError:
+            rf.shutdown()
+            sys.exit(3)
+    """
+    proc = run_script(tmp_path, body, np_=2)
+    report = proc.stderr[proc.stderr.index("ringflow-run: "):]
+    assert report.startswith("ringflow-run: rank 1 on host localhost "), report
+    assert "ringflow-run: rank 0 then failed because of it" in report, report
+    assert proc.returncode == 7, report
+
+
 # ringflow.run: module-level functions, so that they pickle by reference.
 
 

@@ -44,6 +44,13 @@ def test_a_stopped_rank_that_crashed_beats_ranks_that_failed_because_of_it():
     assert got is not None and (got.rank, got.returncode, also) == (3, -15, (0, 1))
 
 
+def test_a_stopped_rank_that_said_nothing_beats_ranks_that_all_failed_because_of_another():
+    # A frozen rank: the others fail naming it and exit; it is stopped and never wrote a status.
+    stopped = [WorkerExit(1, "h", -9)]
+    got, also = root_cause(exits(0, 2), stopped, {0: PEER, 2: PEER}.get)
+    assert got is not None and (got.rank, got.returncode, also) == (1, -9, (0, 2))
+
+
 def test_no_failure_no_root_cause():
     assert root_cause([], exits(0), {0: CRASHED}.get) == (None, ())
 
