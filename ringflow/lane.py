@@ -70,7 +70,9 @@ class Lane:
         self.rank = rank
         self.size = len(maps)
         self._maps = maps  # kept alive with the views below
-        self._words = [np.frombuffer(m.map, np.int64, count=LINE // 8) for m in maps]
+        # The header words as memoryviews: indexing one gives a Python int (a numpy view's
+        # scalars cost 3-4x more per access, and the lane reads these words all the time).
+        self._words = [memoryview(m.map)[:LINE].cast("q") for m in maps]
         self._data = [m.array[LINE:] for m in maps]
         self._mine = self._words[rank]
         self._others = [w for k, w in enumerate(self._words) if k != rank]
@@ -83,15 +85,17 @@ class Lane:
         self._mine[_BUSY] = busy
 
     def others_busy(self) -> bool:
-        return any(w[_BUSY] for w in self._others)
+        for w in self._others:
+            if w[_BUSY]:
+                return True
+        return False
 
     # --- posting ----------------------------------------------------------------------------------
     def post(self, bit: int, data: np.ndarray, deadline: float) -> bool:
         """Propose this rank's ``data`` (1-D, contiguous, at most ``EAGER_BYTES``) for the name of
         cache bit ``bit``; commit every rank's posts if this completes them. False (nothing
         posted) if a rank still reads this rank's previous data at ``deadline``."""
-        last = self._last
-        while any(w[_READ] < last for w in self._words):
+        while not self._read_by_all():
             if time.perf_counter() > deadline or self.others_busy():
                 return False
             os.sched_yield()
@@ -102,14 +106,28 @@ class Lane:
         try:
             mine[_BIT] = bit
             mine[_STATE] = POSTED
-            if all(w[_STATE] == POSTED and w[_BIT] == bit for w in words):
-                commit = int(words[0][_COMMITS]) + 1
+            if self._all_posted(bit):
+                commit = words[0][_COMMITS] + 1
                 words[0][_COMMITS] = commit
                 for w in words:
                     w[_GEN] = commit
                     w[_STATE] = COMMITTED
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return True
+
+    def _read_by_all(self) -> bool:
+        """Whether every rank has read the data of this rank's last committed post."""
+        last = self._last
+        for w in self._words:
+            if w[_READ] < last:
+                return False
+        return True
+
+    def _all_posted(self, bit: int) -> bool:
+        for w in self._words:
+            if w[_STATE] != POSTED or w[_BIT] != bit:
+                return False
         return True
 
     def committed(self) -> bool:
@@ -119,7 +137,10 @@ class Lane:
         """Whether this rank's post cannot commit: another rank is busy on the normal path or
         posted another name."""
         bit = self._mine[_BIT]
-        return any(w[_BUSY] or (w[_STATE] == POSTED and w[_BIT] != bit) for w in self._others)
+        for w in self._others:
+            if w[_BUSY] or (w[_STATE] == POSTED and w[_BIT] != bit):
+                return True
+        return False
 
     def withdraw(self) -> bool | None:
         """Take this rank's post back: True, False if it was committed meanwhile, None if the
@@ -156,7 +177,7 @@ class Lane:
         if parts is None:
             parts = self._views[key] = [d[:out.nbytes].view(out.dtype) for d in self._data]
         reduce_parts(parts, 0, out.size, out, op, postscale)
-        commit = int(self._mine[_GEN])
+        commit = self._mine[_GEN]
         self._last = commit
         self._mine[_READ] = commit
         self._mine[_STATE] = EMPTY

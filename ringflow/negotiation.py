@@ -148,9 +148,14 @@ class ResponseCache:
 
     def lookup(self, request: Request) -> int | None:
         """The bit to send instead of ``request``, if this rank's last request was the same."""
-        bit = self.bit_of.get(request.key)
-        if bit is not None and self.mine.get(request.key) == request:
-            return bit
+        key = request.key
+        bit = self.bit_of.get(key)
+        if bit is not None:
+            mine = self.mine.get(key)
+            # The request memo hands back the same object for an unchanged request: no need
+            # to compare its fields.
+            if mine is request or mine == request:
+                return bit
         return None
 
     def record(self, item: Response, mine: Callable[[Key], Request | None]) -> None:
