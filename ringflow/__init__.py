@@ -50,7 +50,7 @@ from .runtime import (
     stop_timeline,
 )
 from .single_process import single_process_scope  # Jittor's (DESIGN.md section 10)
-from .submission import GroupHandle, call_site, name_of, scales, submit, submit_group
+from .submission import GroupHandle, call_site, name_of, scales, submit, submit_fields, submit_group
 
 __version__ = "0.1.0"
 
@@ -126,12 +126,19 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp | None = 
                     process_set: ProcessSet = global_process_set,
                     compression: Compressor = Compression.none, out: Any = None) -> Handle:
     """Reduce ``tensor`` over the ranks of ``process_set`` (default op: Average)."""
-    return submit("allreduce", tensor, name, process_set, out=out,
-                   compression=compression.name, **scales(op, prescale_factor, postscale_factor))
+    fields = scales(op, prescale_factor, postscale_factor)
+    fields["compression"] = compression.name
+    return submit_fields("allreduce", tensor, name, process_set, out, fields)
 
 
-def allreduce(tensor: Any, *args: Any, **kwargs: Any) -> np.ndarray:
-    return allreduce_async(tensor, *args, **kwargs).wait()
+def allreduce(tensor: Any, name: str | None = None, op: ReduceOp | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set,
+              compression: Compressor = Compression.none, out: Any = None) -> np.ndarray:
+    """:func:`allreduce_async`, waited for: the reduced array."""
+    # Spelled out rather than (*args, **kwargs): the path of every small allreduce.
+    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor, process_set,
+                           compression, out).wait()
 
 
 def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,

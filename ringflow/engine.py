@@ -116,6 +116,7 @@ class Engine:
         self.process_sets: dict[int, list[int]] = {0: list(range(size))}
         self.executor = Executor(backends, self.process_sets)
         self.cache = ResponseCache(config.cache_capacity)
+        self.request_memo: dict[tuple, Request] = {}  # ringflow.submission.request's
         # The coordinator is rank 0, until it shuts down while others go on (Handover).
         self.coord = 0
         self.coordinator = (
