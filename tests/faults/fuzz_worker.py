@@ -66,7 +66,9 @@ def step(i: int, r: int, n: int) -> list[str]:
 def main() -> None:
     outdir, rounds, iterations = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     r = int(os.environ["RINGFLOW_RANK"])
-    (outdir / f"pid.{r}").write_text(str(os.getpid()))
+    # Whole or absent: the test reads it as soon as it exists.
+    (outdir / f"pid.{r}.tmp").write_text(str(os.getpid()))
+    (outdir / f"pid.{r}.tmp").replace(outdir / f"pid.{r}")
     out: dict[str, Any] = {"rank": r, "pid": os.getpid(), "init_s": [], "loop_s": [],
                            "mismatches": [], "steps": 0}
     for k in range(1, rounds + 1):
