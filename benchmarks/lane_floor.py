@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import mmap
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
+import engine_latency  # this directory's (a script's first path)
 import numpy as np
 
 LINE, SLOT = 64, 4096  # a header line and 4 KiB of data per rank
@@ -112,32 +110,11 @@ def floor(n: int, iters: int, lock: bool) -> float:
         return float(result)
 
 
-def engine_worker(out: str, iters: int) -> None:
-    import ringflow as rf
-
-    rf.init()
-    x = np.ones(SLOT // 4, np.float32)
-    for _ in range(300):
-        rf.allreduce(x, name="lat")
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        rf.allreduce(x, name="lat")
-        times.append(time.perf_counter() - t0)
-    if rf.rank() == 0:
-        with open(out, "w") as f:
-            json.dump(float(np.percentile(np.array(times) * 1e6, 50)), f)
-    rf.shutdown()
-
-
 def engine(n: int, iters: int) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "p50.json")
-        subprocess.run([sys.executable, "-m", "ringflow.runner", "-np", str(n), sys.executable,
-                        __file__, "--worker", out, "--iters", str(iters)],
-                       check=True, timeout=600)
-        with open(out) as f:
-            return json.load(f)
+    """Rank 0's p50 (us) of a 4 KiB allreduce through ``ringflow-run -np n``: engine_latency's
+    job (its same-host lane on, the default), without its step of many tensors."""
+    job = engine_latency.run(True, n, argparse.Namespace(iters=iters, tensors=0, repeats=0))
+    return float(np.percentile(np.array(job["lat"]) * 1e6, 50))
 
 
 def main() -> None:
@@ -145,11 +122,7 @@ def main() -> None:
     parser.add_argument("--np", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=3000)
-    parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        engine_worker(args.worker, args.iters)
-        return
     if min(args.np) < 2:
         parser.error("--np: the floor needs at least 2 ranks")
     print(f"4 KiB float32 allreduce, p50 us on rank 0, {os.cpu_count()} CPUs; medians of "
