@@ -87,7 +87,7 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
     if len(parts) == 2 and np.may_share_memory(dst, parts[1]):
         parts = parts[::-1]  # two operands commute exactly (every op here); reduce in place
     acc = None
-    if stream or wide or any(np.may_share_memory(dst, p) for p in parts[1:]):
+    if stream or wide or not _apart(dst, parts[1:]):
         acc = np.empty(min(per, max(hi - lo, 1)), acc_dtype)
     scaled = np.empty(min(per, max(hi - lo, 1)), np.float64) if scale_ints else None
     in_place = dst.ctypes.data == parts[0].ctypes.data and dst.strides == parts[0].strides
