@@ -51,13 +51,21 @@ def workdir(tmp_path: Path) -> Path:
     for name in ("examples", "benchmarks"):
         (tmp_path / name).symlink_to(ROOT / name)
     (tmp_path / "home").mkdir()
-    shims = tmp_path / ".bin"
-    shims.mkdir()
-    (shims / "python").symlink_to(sys.executable)
-    launcher = shims / "ringflow-run"
-    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ringflow.runner "$@"\n')
-    launcher.chmod(0o755)
+    make_shims(tmp_path / ".bin", sys.executable)
     return tmp_path
+
+
+def make_shims(shims: Path, python: str) -> None:
+    """``python`` and ``ringflow-run`` in ``shims``, both running ``python`` itself.
+
+    Scripts that exec it, never symlinks to it: in a virtual environment ``python`` is itself a
+    link, and Python started through a link in another folder finds no ``pyvenv.cfg`` beside it
+    and runs as the base interpreter, without the environment's packages (issue 31)."""
+    shims.mkdir(exist_ok=True)
+    for name, args in (("python", ""), ("ringflow-run", " -m ringflow.runner")):
+        shim = shims / name
+        shim.write_text(f'#!/bin/sh\nexec "{python}"{args} "$@"\n')
+        shim.chmod(0o755)
 
 
 def missing(needs: tuple[str, ...]) -> list[str]:
@@ -134,7 +142,11 @@ def test_readme_commands() -> None:
     assert README_COMMANDS.line == 3, "the README's first lines are its title and the commands"
     first, second = README_COMMANDS.code.splitlines()
     assert "ringflow-run -np 2 python examples/pytorch_mnist.py" in first
-    assert second in (ROOT / ".ci" / "run").read_text(), ".ci/run no longer runs the README's line"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert first in ci and second in ci, ".ci/run no longer runs the README's two lines"
+    assert ci.index(first) < ci.index(second)
+    assert any(line.startswith(". ") and "activate" in line for line in ci[:ci.index(first)]), \
+        ".ci/run runs the README's commands outside a fresh virtual environment (issue 31)"
     from ringflow.runner import cli
 
     for argv in doc_blocks.commands(README_COMMANDS.code):
@@ -218,3 +230,45 @@ def test_site_pages_are_all_in_the_nav() -> None:
     listed = set(files(nav))
     pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
     assert pages - listed == set(), f"pages not in mkdocs.yml's nav: {sorted(pages - listed)}"
+
+
+@pytest.mark.timeout(300)
+def test_a_block_runs_inside_a_virtual_environment(tmp_path: Path) -> None:
+    """Issue 31: a user's virtual environment whose base interpreter lacks the packages.
+
+    The environment sees this interpreter's packages only through a ``.pth`` file of its own
+    (so the base interpreter cannot import them through it), plus a module that exists nowhere
+    else. The README's Horovod example then runs through the shims, as test_block runs it: the
+    shims must start the environment's interpreter, and ringflow-run's workers must be that
+    interpreter too (the example prints its loss from rank 0)."""
+    block = next(b for b in RUN if b.page == "README.md" and "ringflow.torch" in b.code)
+    run = doc_blocks.parse_run(block.annotation or "")
+    if absent := missing(run.needs):
+        pytest.skip(f"{block.id} needs {', '.join(absent)}")
+    venv = tmp_path / "venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    assert python.is_symlink(), "venv made no link: the case of issue 31 is not reproduced"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path("
+                              "'purelib'))"], capture_output=True, text=True, check=True)
+    site_dir = Path(purelib.stdout.strip())
+    import site
+
+    here = [*site.getsitepackages(), site.getusersitepackages()]
+    (site_dir / "this_interpreters_packages.pth").write_text("\n".join(here) + "\n")
+    (site_dir / "only_in_the_venv.py").write_text("")
+    make_shims(tmp_path / ".bin", str(python))
+    (tmp_path / "home").mkdir()
+    script = tmp_path / "block.py"
+    script.write_text(f"import only_in_the_venv\n{block.code}")
+    environment = env(tmp_path / ".bin")
+    check = subprocess.run(["python", "-c", "import sys; print(sys.prefix)"], cwd=tmp_path,
+                           env=environment, capture_output=True, text=True, timeout=60)
+    assert Path(check.stdout.strip()) == venv, check.stdout + check.stderr
+    proc = subprocess.run(["ringflow-run", *run.launcher_args, "python", script.name],
+                          cwd=tmp_path, env=environment, capture_output=True, text=True,
+                          timeout=run.timeout)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert run.expect is not None and run.expect in output, output
