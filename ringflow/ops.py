@@ -7,6 +7,7 @@ constants pickled or compared by Horovod users keep their meaning.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -28,6 +29,7 @@ __all__ = [
     "is_float16ish",
     "scale_into",
     "ufunc",
+    "wrap_integers",
 ]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -104,8 +106,33 @@ def scale_into(src: np.ndarray, factor: float, out: np.ndarray) -> None:
 
     16-bit floats and float32 are multiplied in float32 by the factor rounded to float32, and
     rounded once into ``out`` (numpy's own float16 loop would first round the factor to 16
-    bits); float64 and integers are multiplied in float64, and integers truncated toward zero,
-    like C's conversion. ``out`` may be ``src``, or an array of another dtype (a wire dtype).
+    bits); float64 and integers are multiplied in float64, and integers truncated toward zero
+    and wrapped into their dtype (:func:`wrap_integers`). ``out`` may be ``src``, or an array of
+    another dtype (a wire dtype).
     """
+    if out.dtype.kind in "iu":
+        wide = np.multiply(src, np.float64(factor), dtype=np.float64)
+        np.copyto(out, wrap_integers(np.trunc(wide, out=wide), out.dtype), casting="unsafe")
+        return
     wide = np.float32 if is_float16ish(src.dtype) or src.dtype == np.float32 else np.float64
     np.multiply(src, wide(factor), out=out, dtype=wide, casting="unsafe")
+
+
+def wrap_integers(whole: Any, dtype: np.dtype, fmod: Any = np.fmod) -> Any:
+    """``whole`` (float64 holding whole numbers: a scaled integer sum, truncated toward zero)
+    reduced modulo ``2**bits`` into the range of the integer ``dtype``, ready to be cast.
+
+    The one rule for scaled integers on every path (the host's numpy, the same-host lane, the
+    GPU's NCCL path, through numpy, cupy or torch: ``fmod`` is the library's): sum exactly in
+    the dtype (wrapping, as integer sums do), scale once in float64, truncate toward zero, and
+    wrap what does not fit, as the sum would have. Horovod leaves an out-of-range conversion to
+    C's ``static_cast``, which is undefined: x86 wraps through a 32-bit integer while CUDA
+    saturates, so a uint8 average with a postscale of 2 gave 254 on the host and 255 on a GPU.
+    Values in range are unchanged. Exact: ``fmod`` is exact in IEEE arithmetic, and the
+    corrections by ``2**bits`` subtract numbers within a factor of two of each other.
+    """
+    modulus = float(2 ** (8 * dtype.itemsize))
+    wrapped = fmod(whole, modulus)  # (-2**bits, 2**bits), the sign of whole
+    if dtype.kind == "i":
+        return wrapped - (wrapped >= modulus / 2) * modulus + (wrapped < -modulus / 2) * modulus
+    return wrapped + (wrapped < 0) * modulus

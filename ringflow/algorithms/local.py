@@ -9,7 +9,8 @@ inputs, whatever the fusion layout.
 
 Accumulation: 16-bit floats in float32 (rounded to 16 bits once, at the end); everything else in
 its own dtype, integers included (a sum that overflows wraps, as on the ring, MPI and NCCL), the
-scale of integers applied in float64 and truncated toward zero like C's ``static_cast``. AVERAGE
+scale of integers applied in float64, truncated toward zero and wrapped into the dtype
+(:func:`ringflow.ops.wrap_integers`). AVERAGE
 is SUM scaled by ``postscale / n``. These are the ring's rules (:mod:`.reduction`): every path
 gives the same bits. (Scaled integers used to be summed in float64, so an integer AVERAGE whose
 sum overflowed was the true mean here and the wrapped one on the ring; the soak test found it.)
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import TensorError
-from ..ops import ReduceOp, is_float16ish, ufunc
+from ..ops import ReduceOp, is_float16ish, ufunc, wrap_integers
 from .buffers import chunk_elems, chunk_ranges
 
 __all__ = ["STREAM_BYTES", "reduce_parts"]
@@ -110,7 +111,7 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
             f = scaled[: b - a]
             np.multiply(tmp, factor, out=f, dtype=np.float64)
             np.trunc(f, out=f)  # toward zero, like C's static_cast
-            np.copyto(tmp, f, casting="unsafe")
+            np.copyto(tmp, wrap_integers(f, dtype), casting="unsafe")
         elif factor != 1.0:
             np.multiply(tmp, factor, out=tmp, casting="unsafe")
         if acc is not None:

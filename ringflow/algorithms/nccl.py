@@ -21,7 +21,8 @@ thread never blocks on the GPU. ``GpuWork.stream_wait(stream)`` makes a framewor
 the result instead of the host.
 
 Semantics follow :mod:`ringflow.algorithms.ring`: AVERAGE is SUM then one multiplication by
-``postscale / n``; integers are scaled in float64 and truncated toward zero; bool reduces as uint8
+``postscale / n``; integers are scaled in float64, truncated toward zero and wrapped
+(:func:`ringflow.ops.wrap_integers`, the rule of every path); bool reduces as uint8
 (SUM/MAX = or, MIN/PRODUCT = and). NCCL has no 16-bit integers: int16/uint16 raise TensorError
 (stage them through host memory with :func:`stage_to_host`). NCCL gives every rank the same bits
 for the same reduction (a ring or tree result is broadcast), but may pick a different algorithm
@@ -40,7 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError, PeerError, RingflowTimeoutError, TensorError
-from ..ops import ReduceOp
+from ..ops import ReduceOp, wrap_integers
 
 __all__ = [
     "NCCL_DTYPES",
@@ -299,7 +300,7 @@ class NcclComm:
             return
         if array.dtype.kind in "iu":
             scaled = self.cp.trunc(array.astype(self.cp.float64) * factor)
-            array[...] = scaled.astype(array.dtype)
+            array[...] = wrap_integers(scaled, array.dtype, self.cp.fmod).astype(array.dtype)
         else:
             array *= array.dtype.type(factor)
 

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from ..errors import TensorError
-from ..ops import ReduceOp, check_dtype, is_float16ish, ufunc
+from ..ops import ReduceOp, check_dtype, is_float16ish, ufunc, wrap_integers
 from . import buffers
 from .buffers import chunk_ranges
 
@@ -88,7 +88,7 @@ class Reduction:
             tmp = scratch[: acc.size]
             np.multiply(acc, self.factor, out=tmp, dtype=np.float64)
             np.trunc(tmp, out=tmp)  # toward zero, like C's static_cast
-            np.copyto(acc, tmp, casting="unsafe")
+            np.copyto(acc, wrap_integers(tmp, self.dtype), casting="unsafe")
         else:
             np.multiply(acc, self.factor, out=acc)
 

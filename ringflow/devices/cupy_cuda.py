@@ -19,7 +19,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from ..ops import check_dtype, is_float16ish
+from ..ops import check_dtype, is_float16ish, wrap_integers
 from . import poll
 
 __all__ = ["CupyNamespace"]
@@ -52,6 +52,10 @@ class CupyNamespace:
     def copy(self, dst: Any, src: Any, prescale: float = 1.0) -> None:
         if prescale == 1.0:
             cp.copyto(dst, src, casting="unsafe")
+            return
+        if dst.dtype.kind in "iu":  # the one integer rule (ringflow.ops.wrap_integers)
+            whole = cp.trunc(cp.multiply(src, np.float64(prescale), dtype=np.float64))
+            cp.copyto(dst, wrap_integers(whole, dst.dtype, cp.fmod), casting="unsafe")
             return
         wide = np.float32 if is_float16ish(src.dtype) or src.dtype == np.float32 else np.float64
         cp.multiply(src, wide(prescale), out=dst, dtype=wide, casting="unsafe")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import TensorError
-from ..ops import BFLOAT16, DTYPES
+from ..ops import BFLOAT16, DTYPES, wrap_integers
 from . import poll
 
 __all__ = ["TO_NUMPY", "TO_TORCH", "TorchNamespace", "host_view"]
@@ -85,7 +85,11 @@ class TorchNamespace:
             wide = _wide(src.dtype)
             # A 0-d CPU tensor of the wide dtype: the factor rounded to it, as numpy's
             # ``wide(factor)`` is, and usable with a tensor on any device.
-            dst.copy_(src.to(wide) * torch.tensor(prescale, dtype=wide))
+            scaled = src.to(wide) * torch.tensor(prescale, dtype=wide)
+            if not dst.dtype.is_floating_point and dst.dtype != torch.bool:
+                # the one integer rule (ringflow.ops.wrap_integers)
+                scaled = wrap_integers(torch.trunc(scaled), TO_NUMPY[dst.dtype], torch.fmod)
+            dst.copy_(scaled)
 
     def zero(self, dst: torch.Tensor) -> None:
         with torch.no_grad():
