@@ -22,16 +22,17 @@ Horovod's operation manager does:
    and ops it has; scaled by :class:`~ringflow.algorithms.reduction.Reduction` afterwards;
 4. :class:`Ring` -- any process set (:func:`~ringflow.algorithms.ring.allreduce`).
 
-These four take CPU buffers. Device buffers (:mod:`ringflow.devices`; the executor fuses them on
-their device) go to:
+These four take CPU buffers. Device buffers (:mod:`ringflow.devices`) go to:
 
-0. :class:`Nccl` -- first in the list: device kind ``cuda``, NCCL's dtypes and ops, when every
-   rank of the job can run NCCL (each publishes why it cannot at :func:`connect`, so that all
-   choose alike); one communicator per (process set, device), its unique id through the store;
-5. :class:`HostStaging` -- any other non-CPU item: the buffer is copied to host memory (one copy
-   of the fused buffer, with its library's own copy; straight into shared memory where that
-   implementation offers a view), reduced by the implementation a CPU buffer of that item would
-   get, and copied back.
+* :class:`Nccl` -- CUDA buffers of NCCL's dtypes and ops, every collective
+  (:mod:`ringflow.algorithms.device`), when every rank of the job can run one NCCL provider
+  (each publishes what it has at :func:`connect`, so that all choose alike): cupy's binding,
+  else torch's ProcessGroupNCCL; one communicator per process set, made at its first device
+  item, unless its ranks share a GPU;
+* :class:`HostStaging` -- any other non-CPU allreduce: the fused buffer is copied to host memory
+  (one copy, with its library's own copy; straight into shared memory where that implementation
+  offers a view), reduced by the implementation a CPU buffer of that item would get, and copied
+  back. Other collectives are staged tensor by tensor (the executor).
 
 An item that none accepts fails with a ShutdownError naming it. Adasum is an algorithm of its
 own (``op=Adasum``), not one of these (on a device it is staged with the other collectives).
@@ -55,7 +56,7 @@ from .algorithms.shm import ShmAllreduce, available
 from .devices.host import HOST
 from .errors import ConfigError, ShutdownError
 from .lane import Lane
-from .ops import BFLOAT16, ReduceOp
+from .ops import ReduceOp
 from .transport.base import Link, NativeAllreduce, Subset, Transport, data_wait_s
 
 __all__ = ["AllreduceImpl", "Backends", "Hierarchical", "HostStaging", "Native", "Nccl", "Ring",
@@ -88,57 +89,105 @@ def _into(src: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 class Nccl:
-    """ncclAllReduce on CUDA buffers (:class:`~ringflow.algorithms.nccl.NcclComm`).
+    """The job's NCCL communicators, one per process set, through the provider every rank has
+    (:mod:`ringflow.algorithms.nccl`: cupy's binding, else torch's ProcessGroupNCCL).
 
-    The buffer may be a cupy array or a torch CUDA tensor (seen as cupy through DLPack, no copy).
-    A communicator is made for each (process set, device) at its first item, which every member
-    reaches in plan order; the engine thread then waits for the GPU by polling the operation's
-    event (with NCCL's asynchronous error and the job's timeout), never in a blocking CUDA call.
-    UNVERIFIED: nothing of it has run on a GPU yet (tests/gpu).
+    A set's communicator is made at its first device item, which every member reaches in plan
+    order. First every member publishes the UUID of the GPU it drives: NCCL refuses two ranks on
+    one device (and the job used to die of it with "internal error in the engine"), so a set
+    whose members share a GPU stages its device tensors through host memory instead, with one
+    warning naming the ranks; every member reads the same UUIDs, so all choose alike.
     """
 
     name = "nccl"
 
-    def __init__(self, store: Any, prefix: str, timeout: float) -> None:
-        self.store, self.prefix, self.timeout = store, prefix, timeout
-        self._comms: dict[tuple[tuple[int, ...], int], Any] = {}
+    def __init__(self, provider: str, store: Any, prefix: str, timeout: float,
+                 check: Any) -> None:
+        self.provider, self.store, self.prefix, self.timeout = provider, store, prefix, timeout
+        self._check = check  # (global ranks) -> raises the job's error, if any
+        self._comms: dict[tuple[int, ...], Any] = {}
 
-    def enabled(self, process_set: int, dtype: np.dtype, op: ReduceOp, device: str) -> bool:
-        from .algorithms.nccl import NCCL_DTYPES, NCCL_OPS
-
-        # bfloat16: NCCL has it, but cupy has no such dtype to view the buffer with (staged).
-        return (device == "cuda" and dtype.name in NCCL_DTYPES and op in NCCL_OPS
-                and dtype != BFLOAT16)
-
-    def input_view(self, n: int, dtype: np.dtype) -> np.ndarray | None:
-        return None
-
-    def _comm(self, link: Link, device: int) -> Any:
-        from .algorithms.nccl import NcclComm
-
+    def comm(self, link: Link, ns: Any, like: Any) -> Any:
+        """The communicator of ``link``'s ranks on ``like``'s device, or None: stage."""
         ranks = tuple(link.members) if isinstance(link, Subset) else tuple(range(link.size))
-        comm = self._comms.get((ranks, device))
-        if comm is None:
-            key = "-".join(map(str, ranks))
-            comm = self._comms[(ranks, device)] = NcclComm(
-                link.rank, link.size, self.store, f"{self.prefix}nccl/{key}/d{device}/",
-                device, self.timeout)
+        if ranks in self._comms:
+            return self._comms[ranks]
+        device = int(ns.device(like).partition(":")[2] or 0)
+        key = f"{self.prefix}nccl/{'-'.join(map(str, ranks))}/"
+        self.store.set(f"{key}gpu/{link.rank}", device_uuid(self.provider, device))
+        uuids = [self.store.get(f"{key}gpu/{r}", self.timeout) for r in range(link.size)]
+        shared = sorted({tuple(ranks[r] for r, u in enumerate(uuids) if u == uuid)
+                         for uuid in uuids if uuids.count(uuid) > 1})
+        if shared:
+            if link.rank == 0 or len(ranks) == 1:
+                log.warning(
+                    "ranks %s share a GPU; NCCL cannot run two ranks on one device, so the "
+                    "CUDA tensors of process set %s are staged through host memory (give each "
+                    "rank its own GPU, e.g. torch.cuda.set_device(local_rank), for NCCL)",
+                    " and ".join(map(str, shared[0])) if len(shared) == 1 else shared, ranks)
+            self._comms[ranks] = None
+            return None
+        others = [r for r in ranks if r != ranks[link.rank]]
+        comm = self._comms[ranks] = _PROVIDERS[self.provider](
+            link.rank, link.size, self.store, key, device, self.timeout,
+            lambda: self._check(others))
         return comm
-
-    def allreduce(self, link: Link, src: Any, out: Any, op: ReduceOp,
-                  postscale: float) -> None:
-        import cupy
-
-        buf = out if isinstance(out, cupy.ndarray) else cupy.from_dlpack(out)
-        if src is not out:
-            buf[...] = src if isinstance(src, cupy.ndarray) else cupy.from_dlpack(src)
-        what = f"NCCL allreduce of {buf.size} x {buf.dtype}"
-        self._comm(link, buf.device.id).allreduce(buf, op, postscale, what).wait()
 
     def close(self) -> None:
         for comm in self._comms.values():
-            comm.close()
+            if comm is not None:
+                comm.close()
         self._comms.clear()
+
+
+def _cupy_comm(*args: Any) -> Any:
+    from .algorithms.nccl import CupyNccl
+
+    return CupyNccl(*args)
+
+
+def _torch_comm(*args: Any) -> Any:
+    from .algorithms.nccl_torch import TorchNccl
+
+    return TorchNccl(*args)
+
+
+#: NCCL providers in order of preference, and why each cannot run in this process ("" if it
+#: can). torch is asked only when already imported (a torch user has imported it by then).
+_PROVIDERS = {"cupy": _cupy_comm, "torch": _torch_comm}
+
+
+def nccl_providers() -> dict[str, str]:
+    """Each provider and why it cannot run here ("" where it can)."""
+    import sys
+
+    from .algorithms import nccl
+
+    why = {"cupy": nccl.unusable_reason()}
+    if "torch" in sys.modules:
+        from .algorithms import nccl_torch
+
+        why["torch"] = nccl_torch.unusable_reason()
+    else:
+        why["torch"] = "torch is not imported"
+    return why
+
+
+def device_uuid(provider: str, device: int) -> bytes:
+    """What names GPU ``device`` uniquely across the job's hosts."""
+    if provider == "cupy":
+        import cupy
+
+        uuid = cupy.cuda.runtime.getDeviceProperties(device).get("uuid")
+    else:
+        import torch
+
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid:
+        return uuid if isinstance(uuid, bytes) else str(uuid).encode()
+    import socket
+
+    return f"{socket.gethostname()}/{device}".encode()
 
 
 class HostStaging:
@@ -249,6 +298,8 @@ class Backends:
     lane: Lane | None = None
     #: how long the data plane waits for a device (RINGFLOW_TIMEOUT_S)
     timeout_s: float = 30.0
+    #: NCCL for device arrays, when every rank can run it (else they are staged)
+    nccl: Nccl | None = None
     _staged: dict[int, HostStaging] = dataclasses.field(default_factory=dict)
 
     def allreduce_for(self, process_set: int, dtype: np.dtype, op: ReduceOp,
@@ -272,10 +323,15 @@ class Backends:
             f"no allreduce implementation for {dtype} on device {device!r} in process set "
             f"{process_set} (have: {[i.name for i in self.allreduce]})")
 
+    def device_comm(self, link: Link, ns: Any, like: Any) -> Any:
+        """The NCCL communicator of ``link``'s ranks for ``like``'s device, or None (stage)."""
+        if self.nccl is None or not ns.device(like).startswith("cuda"):
+            return None
+        return self.nccl.comm(link, ns, like)
+
     def close(self, linger: float = 2.0) -> None:
-        for impl in self.allreduce:
-            if isinstance(impl, Nccl):
-                impl.close()
+        if self.nccl is not None:
+            self.nccl.close()
         if self.shm is not None:
             self.shm.close()
         self.transport.close(linger)
@@ -291,27 +347,29 @@ def _over(link: Transport, shm: ShmAllreduce | None = None,
 
 
 def _with_nccl(backends: Backends, info: Any, store: Any, config: Any, prefix: str) -> Backends:
-    """Put :class:`Nccl` first when every rank can run NCCL (each publishes why it cannot, so
+    """Give the job NCCL when every rank can run one provider (each publishes what it has, so
     that all choose alike: one rank on NCCL and another staging would wait for each other)."""
-    from .algorithms import nccl
-
     backends.timeout_s = float(config.timeout_s)
-    why = nccl.unusable_reason()
+    why = nccl_providers()
+    mine = [p for p, reason in why.items() if not reason]
     if info.size == 1:
-        if not why:
+        if mine:
             from .rendezvous import MemoryStore
 
             store = MemoryStore()  # a job of one rank still gets its communicator of one
     elif store is None:  # init(comm=...): every rank of the job takes this path alike
-        why = "no rendezvous store to carry the NCCL id"
+        mine = []
     else:
-        store.set(f"{prefix}nccl/usable/{info.rank}", (why or "ok").encode())
-        answers = [store.get(f"{prefix}nccl/usable/{r}").decode() for r in range(info.size)]
-        why = next((f"rank {r}: {w}" for r, w in enumerate(answers) if w != "ok"), "")
-    if why:
-        log.debug("CUDA buffers are staged through host memory: %s", why)
+        store.set(f"{prefix}nccl/providers/{info.rank}", ",".join(mine).encode())
+        every = [store.get(f"{prefix}nccl/providers/{r}").decode().split(",")
+                 for r in range(info.size)]
+        mine = [p for p in mine if all(p in theirs for theirs in every)]
+    if not mine:
+        log.debug("CUDA buffers are staged through host memory: %s",
+                  "; ".join(f"{p}: {w or 'not on every rank'}" for p, w in why.items()))
         return backends
-    backends.allreduce = (Nccl(store, prefix, float(config.timeout_s)), *backends.allreduce)
+    backends.nccl = Nccl(mine[0], store, prefix, float(config.timeout_s),
+                         backends.transport.check_peers)
     return backends
 
 

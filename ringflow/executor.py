@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import algorithms, devices
+from .algorithms import device
 from .backends import Backends
 from .collectives import COLLECTIVES
 from .devices import ArrayNamespace
@@ -84,12 +85,50 @@ class Executor:
         if ref.device == "cpu":
             return _RUN[item.kind](self, self.link(item.process_set), item, entries)
         ns, like = self._device(ref.device, entries)
-        if item.kind == "allreduce" and ref.reduce_op != ReduceOp.ADASUM:
-            outs = self._allreduce(self.link(item.process_set), item, entries, ns, like)
+        link = self.link(item.process_set)
+        comm = self.backends.device_comm(link, ns, like)
+        if comm is not None and _nccl_takes(comm, item):
+            outs = self._on_device(link, item, entries, comm, ns, like)
+        elif item.kind == "allreduce" and ref.reduce_op != ReduceOp.ADASUM:
+            outs = self._allreduce(link, item, entries, ns, like)
         else:
             outs = self._staged(item, entries, ns)
         ns.fence(like, self.backends.timeout_s)
         return outs
+
+    def _on_device(self, t: Link, item: Response, entries: list[Entry | None], comm: Any,
+                   ns: ArrayNamespace, like: Any) -> list[Any]:
+        """``item`` through NCCL (:mod:`ringflow.algorithms.device`)."""
+        ref, kind = item.requests[0], item.kind
+        what = f"{kind} of {ref.name!r} over NCCL"
+        if kind in ("allreduce", "reduce"):
+            outs = self._allreduce(t, item, entries, ns, like, DeviceAllreduce(comm, ns, what))
+            if kind == "reduce" and t.rank != self._root(item):
+                return [None]
+            return outs
+        if kind == "allgather":  # tensor by tensor; a joined rank contributes no rows
+            outs = [device.allgather(comm, ns, e.array if e is not None else
+                                     ns.empty((0, *r.shape[1:]), DTYPES[r.dtype], like),
+                                     list(dims), what)
+                    for e, r, dims in zip(entries, item.requests, item.first_dims, strict=True)]
+            return [o if e is not None else None for o, e in zip(outs, entries, strict=True)]
+        (entry,) = entries
+        array = None if entry is None else entry.array
+        if kind == "broadcast":
+            out = ns.empty(ref.shape, DTYPES[ref.dtype], like) if entry is None \
+                else output_of(entry, ref, ns)
+            if entry is not None and out is not entry.array:
+                ns.copy(ns.flat(out), ns.flat(entry.array))
+            device.broadcast(comm, ns, out, self._root(item), what)
+            return [out]
+        if kind == "reducescatter":
+            return [device.reducescatter(comm, ns, array, ReduceOp(ref.reduce_op), ref.prescale,
+                                         ref.postscale, ref.wire_dtype, what)]
+        if kind == "alltoall":
+            splits = list(entry.request.splits)
+            received = algorithms.exchange_counts(t, splits)
+            return [(device.alltoall(comm, ns, array, splits, received, what), received)]
+        return [device.gather(comm, ns, array, list(item.first_dims[0]), self._root(item), what)]
 
     @staticmethod
     def _device(kind: str, entries: list[Entry | None]) -> tuple[ArrayNamespace, Any]:
@@ -176,7 +215,7 @@ class Executor:
         return [out.astype(entry.array.dtype, copy=False)]
 
     def _allreduce(self, t: Link, item: Response, entries: list[Entry | None],
-                   ns: ArrayNamespace = HOST, like: Any = None) -> list[Any]:
+                   ns: ArrayNamespace = HOST, like: Any = None, impl: Any = None) -> list[Any]:
         refs = item.requests
         ref = refs[0]
         wire = ref.wire_dtype
@@ -189,7 +228,8 @@ class Executor:
             if ref.postscale != 1.0:
                 scale_into(buf, ref.postscale, buf)
             return unpack(buf, refs, entries)
-        impl = self.backends.allreduce_for(item.process_set, wire, reduce_op, ref.device)
+        if impl is None:
+            impl = self.backends.allreduce_for(item.process_set, wire, reduce_op, ref.device)
         e0 = entries[0]
         if (len(refs) == 1 and e0 is not None and e0.array is not None
                 and ns.dtype(e0.array) == wire):
@@ -259,6 +299,42 @@ class Executor:
         if buf is None or math.prod(buf.shape) < n:
             buf = self._fusion[key] = ns.empty((max(n, 1),), dtype, like)
         return buf[:n]
+
+
+class DeviceAllreduce:
+    """An allreduce implementation over a set's NCCL communicator (the fused device buffer)."""
+
+    name = "nccl"
+
+    def __init__(self, comm: Any, ns: ArrayNamespace, what: str) -> None:
+        self.comm, self.ns, self.what = comm, ns, what
+
+    def input_view(self, n: int, dtype: np.dtype) -> None:
+        return None
+
+    def allreduce(self, link: Link, src: Any, out: Any, op: ReduceOp, postscale: float) -> None:
+        if src is not out:
+            self.ns.copy(out, src)
+        device.allreduce(self.comm, self.ns, out, op, postscale, self.what)
+
+
+#: What runs over NCCL; scatter's root concatenates its pieces on the host (a host array).
+_ON_DEVICE = {"allreduce", "reduce", "allgather", "broadcast", "reducescatter", "alltoall",
+              "gather"}
+
+
+def _nccl_takes(comm: Any, item: Response) -> bool:
+    """Whether NCCL moves every tensor of ``item`` (its dtypes, on the wire, and its op)."""
+    if item.kind not in _ON_DEVICE:
+        return False
+    for r in item.requests:
+        reduces = item.kind in ("allreduce", "reduce", "reducescatter")
+        if reduces and r.reduce_op == ReduceOp.ADASUM:
+            return False
+        op = ReduceOp(r.reduce_op) if reduces else None
+        if not comm.takes(r.wire_dtype if reduces else DTYPES[r.dtype], op):
+            return False
+    return True
 
 
 #: How each collective that moves data runs (collectives.COLLECTIVES says which do).

@@ -6,6 +6,8 @@
   chain), :func:`gather` / :func:`scatter` (to / from a root, uneven first dimensions),
   :func:`alltoall` (pairwise, uneven splits) and :func:`barrier` (dissemination).
 - :mod:`.adasum`: :func:`adasum` (Adasum, vector halving / distance doubling, per tensor).
+- :mod:`.device`: the same collectives on GPU arrays, composed of NCCL's primitives
+  (:mod:`.nccl`: cupy's binding; :mod:`.nccl_torch`: torch's ProcessGroupNCCL).
 - :mod:`.buffers`: how arrays are cut into messages; :data:`~.buffers.CHUNK_BYTES` is the pipeline
   chunk size (patch ``ringflow.algorithms.buffers.CHUNK_BYTES`` to change it).
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from .adasum import adasum
 from .buffers import CHUNK_BYTES, even_split
-from .gather import allgather, alltoall, barrier, broadcast, gather, scatter
+from .gather import allgather, alltoall, barrier, broadcast, exchange_counts, gather, scatter
 from .ring import allreduce, reducescatter
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "even_split",
+    "exchange_counts",
     "gather",
     "reducescatter",
     "scatter",

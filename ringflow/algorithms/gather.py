@@ -48,7 +48,7 @@ from . import buffers
 from .buffers import as_bytes, chunk_ranges
 from .ring import allgather_ring
 
-__all__ = ["allgather", "alltoall", "barrier", "broadcast", "gather", "scatter"]
+__all__ = ["allgather", "alltoall", "barrier", "broadcast", "exchange_counts", "gather", "scatter"]
 
 
 def _rows_array(buf: np.ndarray, what: str) -> np.ndarray:
@@ -197,6 +197,28 @@ def scatter(t: Link, buf: np.ndarray | None, counts: Sequence[int], root: int,
     return out
 
 
+def exchange_counts(t: Link, splits: Sequence[int]) -> list[int]:
+    """``splits[d]`` to rank ``d``; the list of what every rank sent this one (alltoall's row
+    counts, also for the device's alltoall). One 8-byte message per ordered pair, all in flight
+    at once."""
+    n, r = t.size, t.rank
+    send_counts = np.asarray(splits, dtype=np.int64)
+    recv_counts = np.zeros(n, dtype=np.int64)
+    recv_counts[r] = splits[r]
+    peers = [((r + k) % n, (r - k) % n) for k in range(1, n)]
+    recvs = [t.irecv(as_bytes(recv_counts[src : src + 1]), src) for _, src in peers]
+    sends = [t.isend(as_bytes(send_counts[dst : dst + 1]), dst) for dst, _ in peers]
+    for work in (*recvs, *sends):
+        work.wait()
+    received = [int(c) for c in recv_counts]
+    if any(c < 0 for c in received):
+        raise TensorError(
+            f"alltoall on rank {r}: peers announced negative row counts {received}; "
+            f"every rank must pass non-negative splits"
+        )
+    return received
+
+
 def alltoall(
     t: Link, buf: np.ndarray, splits: Sequence[int]
 ) -> tuple[np.ndarray, list[int]]:
@@ -215,24 +237,9 @@ def alltoall(
         )
     rest = buf.shape[1:]
     row = math.prod(rest)
-
-    # 1. Counts: one 8-byte message per ordered pair, all in flight at once.
-    send_counts = np.asarray(splits, dtype=np.int64)
-    recv_counts = np.zeros(n, dtype=np.int64)
-    recv_counts[r] = splits[r]
+    received = exchange_counts(t, splits)
+    # Data, pairwise: step k sends to r+k and receives from r-k, straight into place.
     peers = [((r + k) % n, (r - k) % n) for k in range(1, n)]
-    recvs = [t.irecv(as_bytes(recv_counts[src : src + 1]), src) for _, src in peers]
-    sends = [t.isend(as_bytes(send_counts[dst : dst + 1]), dst) for dst, _ in peers]
-    for work in (*recvs, *sends):
-        work.wait()
-    received = [int(c) for c in recv_counts]
-    if any(c < 0 for c in received):
-        raise TensorError(
-            f"alltoall on rank {r}: peers announced negative row counts {received}; "
-            f"every rank must pass non-negative splits"
-        )
-
-    # 2. Data, pairwise: step k sends to r+k and receives from r-k, straight into place.
     out = np.empty((sum(received), *rest), buf.dtype)
     src_flat, out_flat = buf.reshape(-1), out.reshape(-1)
     send_at = np.concatenate(([0], np.cumsum(splits))) * row

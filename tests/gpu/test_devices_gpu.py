@@ -1,10 +1,10 @@
-"""The device path on a real GPU: NCCL allreduce through the engine from torch CUDA tensors and
-cupy arrays, and host staging of CUDA tensors with torch's own copies.
+"""The device path on a real GPU, through the engine: torch CUDA tensors and cupy arrays over
+NCCL (either provider: cupy's binding, or torch's ProcessGroupNCCL when cupy is hidden), and
+staged through host memory where NCCL cannot run (two ranks on one GPU, or NCCL turned off).
 
-UNVERIFIED: written without a GPU; these tests have only ever been seen to skip. They run through
-real processes (``ringflow.run``), one rank per GPU (NCCL refuses two ranks on one device), so
-on a machine with one GPU they run at one rank (a communicator of one), and at two ranks where
-two GPUs are present.
+Real processes (``ringflow.run``). A lent machine has one GPU: one rank runs NCCL (a
+communicator of one); two ranks share the GPU, which the engine detects and stages, with one
+warning. Where two GPUs are present, two ranks run NCCL.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from ringflow.testing import spawn_ranks
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.gpu]
 
 
 def _gpu_count() -> int:
@@ -44,24 +44,35 @@ def _reason(*modules: str) -> str:
 
 
 GPUS = _gpu_count()
-SIZES = [n for n in (1, 2) if n <= max(GPUS, 1)]
-needs_nccl = pytest.mark.skipif(bool(_reason("torch", "cupy")), reason=_reason("torch", "cupy"))
+needs_nccl = pytest.mark.skipif(bool(_reason("torch")), reason=_reason("torch"))
 needs_torch_cuda = pytest.mark.skipif(bool(_reason("torch")), reason=_reason("torch"))
 
 
-def torch_cuda_allreduce(force_staging: bool) -> tuple[str, list[float]]:
+def _provider(choice: str) -> None:
+    """Make this rank see only ``choice`` ("cupy", "torch" or "none"; "any": all it has) as an
+    NCCL provider."""
+    from ringflow import backends
+
+    if choice == "any":
+        return
+    real = backends.nccl_providers
+
+    def only() -> dict[str, str]:
+        return {p: (w if p == choice else "hidden by the test") for p, w in real().items()}
+
+    backends.nccl_providers = only
+
+
+def torch_cuda_allreduce(choice: str, share: bool) -> tuple[str, list[float]]:
     import torch
 
     import ringflow
     import ringflow.torch as hvd
-    from ringflow.algorithms import nccl
 
-    if force_staging:  # every rank alike: CUDA tensors go through host memory
-        nccl.unusable_reason = lambda: "forced by the test"
+    _provider(choice)
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    torch.cuda.set_device(hvd.local_rank())
-    impl = ringflow.runtime.running().backends.allreduce[0].name
+    torch.cuda.set_device(0 if share else hvd.local_rank())
     total = n * (n + 1) / 2
     x = torch.full((1000,), float(r + 1), device="cuda")
     y = hvd.allreduce(x, name="sum", op=hvd.Sum)
@@ -70,7 +81,8 @@ def torch_cuda_allreduce(force_staging: bool) -> tuple[str, list[float]]:
     y = hvd.allreduce(x, name="avg", prescale_factor=2.0)
     torch.testing.assert_close(y.cpu(), torch.full((1000,), 2.0 * total / n))
     xs = [torch.full((7,), float(r + 1), device="cuda"),
-          torch.full((3, 3), float(r + 1), device="cuda", dtype=torch.float64)]
+          torch.full((3, 3), float(r + 1), device="cuda", dtype=torch.float64),
+          torch.full((5,), float(r + 1), device="cuda", dtype=torch.bfloat16)]
     ys = hvd.grouped_allreduce(xs, name="group", op=hvd.Sum, compression=hvd.Compression.fp16)
     for x, y in zip(xs, ys, strict=True):
         assert y.is_cuda and y.dtype == x.dtype
@@ -82,26 +94,51 @@ def torch_cuda_allreduce(force_staging: bool) -> tuple[str, list[float]]:
     assert torch.equal(z.cpu(), torch.full((1 << 20,), total))
     g = hvd.allgather(torch.full((r + 1, 2), float(r), device="cuda"), name="gather")
     assert g.is_cuda and g.shape[0] == total
+    b = hvd.broadcast(torch.full((3,), float(r), device="cuda"), n - 1, name="bcast")
+    assert b.is_cuda and b.tolist() == [float(n - 1)] * 3
+    a2a = hvd.alltoall(torch.arange(n, device="cuda", dtype=torch.int32) + 10 * r, name="a2a")
+    assert a2a.is_cuda and a2a.tolist() == [10 * s + r for s in range(n)]
+    rs = hvd.reducescatter(torch.full((n, 2), float(r + 1), device="cuda"), name="rs",
+                           op=hvd.Sum)
+    assert rs.is_cuda and rs.tolist() == [[total, total]]
     p = torch.ones(4, device="cuda", requires_grad=True)
     hvd.allreduce(p, name="grad", op=hvd.Sum).sum().backward()
     assert torch.equal(p.grad.cpu(), torch.full((4,), float(n)))
+    nccl = ringflow.runtime.running().backends.nccl
+    comms = {} if nccl is None else nccl._comms
+    used = "staged" if not comms or None in comms.values() else nccl.provider
     out = [float(v) for v in y.cpu().reshape(-1)]
     hvd.shutdown()
-    return impl, out
+    return used, out
 
 
 @needs_nccl
-@pytest.mark.parametrize("n", SIZES)
-def test_torch_cuda_tensors_are_reduced_with_nccl(n: int) -> None:
-    results = spawn_ranks(n, torch_cuda_allreduce, args=(False,), deadline=240)
-    assert {impl for impl, _ in results} == {"nccl"}
+@pytest.mark.parametrize("choice", ["cupy", "torch"])
+def test_torch_cuda_tensors_over_nccl_at_one_rank(choice: str) -> None:
+    if choice == "cupy" and _reason("cupy"):
+        pytest.skip(_reason("cupy"))
+    results = spawn_ranks(1, torch_cuda_allreduce, args=(choice, False), deadline=240)
+    assert [used for used, _ in results] == [choice]
 
 
 @needs_torch_cuda
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_sharing_the_gpu_are_staged(n: int) -> None:
+    results = spawn_ranks(n, torch_cuda_allreduce, args=("any", True), deadline=240)
+    assert {used for used, _ in results} == {"staged"}
+
+
+@needs_torch_cuda
+@pytest.mark.parametrize("n", [1, 2])
 def test_torch_cuda_tensors_are_staged_without_nccl(n: int) -> None:
-    results = spawn_ranks(n, torch_cuda_allreduce, args=(True,), deadline=240)
-    assert {impl for impl, _ in results} == {"ring"}  # staging wraps the CPU implementation
+    results = spawn_ranks(n, torch_cuda_allreduce, args=("none", True), deadline=240)
+    assert {used for used, _ in results} == {"staged"}
+
+
+@pytest.mark.skipif(GPUS < 2 or bool(_reason("torch")), reason="needs two GPUs")
+def test_two_ranks_on_two_gpus_run_nccl() -> None:
+    results = spawn_ranks(2, torch_cuda_allreduce, args=("torch", False), deadline=240)
+    assert {used for used, _ in results} == {"torch"}
 
 
 def cupy_allreduce() -> str:
@@ -119,12 +156,11 @@ def cupy_allreduce() -> str:
     got, _ = rf.alltoall(cp.arange(n, dtype=cp.int32) + 10 * r, name="a2a")
     assert isinstance(got, cp.ndarray)
     np.testing.assert_array_equal(cp.asnumpy(got), np.arange(n) * 10 + r)
-    impl = rf.runtime.running().backends.allreduce[0].name
+    provider = rf.runtime.running().backends.nccl.provider
     rf.shutdown()
-    return impl
+    return provider
 
 
-@needs_nccl
-@pytest.mark.parametrize("n", SIZES)
-def test_cupy_arrays_through_the_numpy_api(n: int) -> None:
-    assert set(spawn_ranks(n, cupy_allreduce, deadline=240)) == {"nccl"}
+@pytest.mark.skipif(bool(_reason("cupy")), reason=_reason("cupy"))
+def test_cupy_arrays_through_the_numpy_api() -> None:
+    assert spawn_ranks(1, cupy_allreduce, deadline=240) == ["cupy"]

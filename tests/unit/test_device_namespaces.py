@@ -137,23 +137,23 @@ def test_device_items_take_staging_around_the_cpu_implementation() -> None:
     assert (fake.COUNTS["to_host"], fake.COUNTS["from_host"]) == (1, 1)
 
 
-def test_nccl_takes_cuda_buffers_of_its_dtypes_only() -> None:
-    impl = backends.Nccl(MemoryStore(), "", 30.0)
-    assert impl.enabled(0, np.dtype(np.float32), ReduceOp.AVERAGE, "cuda")
-    assert not impl.enabled(0, np.dtype(np.float32), ReduceOp.SUM, "cpu")
-    assert not impl.enabled(0, np.dtype(np.float32), ReduceOp.SUM, "fake")
-    assert not impl.enabled(0, np.dtype(np.int16), ReduceOp.SUM, "cuda")  # NCCL has no int16
-    assert not impl.enabled(0, BFLOAT16, ReduceOp.SUM, "cuda")  # cupy has no bfloat16
-    assert not impl.enabled(0, np.dtype(np.float32), ReduceOp.ADASUM, "cuda")
-
-
-def test_every_rank_stages_when_one_rank_cannot_run_nccl(monkeypatch) -> None:
+def test_nccl_takes_its_dtypes_and_ops_only() -> None:
     from ringflow.algorithms import nccl
 
-    store = MemoryStore()
-    reasons = {0: "", 1: "no CUDA device"}
+    assert nccl.takes(np.dtype(np.float32), ReduceOp.AVERAGE)
+    assert nccl.takes(BFLOAT16, ReduceOp.SUM)  # by pointer: no cupy dtype needed
+    assert nccl.takes(np.dtype(np.bool_), ReduceOp.MIN) and nccl.takes(np.dtype(np.bool_))
+    assert not nccl.takes(np.dtype(np.int16), ReduceOp.SUM)  # NCCL has no 16-bit integers
+    assert not nccl.takes(np.dtype(np.uint16))
+    assert not nccl.takes(np.dtype(np.float32), ReduceOp.ADASUM)
+
+
+def test_every_rank_stages_unless_all_share_an_nccl_provider(monkeypatch) -> None:
+    """Each rank publishes the providers it can run; the job takes the first that every rank
+    has (cupy before torch), or none: one rank on NCCL and another staging would hang."""
     local = threading.local()
-    monkeypatch.setattr(nccl, "unusable_reason", lambda: reasons[local.rank])
+    have: dict[int, dict[str, str]] = {}
+    monkeypatch.setattr(backends, "nccl_providers", lambda: have[local.rank])
 
     class Info:
         size = 2
@@ -167,24 +167,28 @@ def test_every_rank_stages_when_one_rank_cannot_run_nccl(monkeypatch) -> None:
     class Link:
         rank, size = 0, 2
 
-    chosen: dict[int, list[str]] = {}
+        def check_peers(self, ranks: object = None) -> None: ...
 
-    def rank(r: int) -> None:
+    chosen: dict[int, str | None] = {}
+
+    def rank(r: int, store: MemoryStore) -> None:
         local.rank = r
         b = backends._with_nccl(backends._over(Link()), Info(r), store, Config(), "p/")
-        chosen[r] = [i.name for i in b.allreduce]
+        chosen[r] = None if b.nccl is None else b.nccl.provider
+        assert [i.name for i in b.allreduce] == ["ring"]  # CPU buffers keep their order
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert chosen == {0: ["ring"], 1: ["ring"]}
-    reasons[1] = ""
-    store = MemoryStore()
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert chosen == {0: ["nccl", "ring"], 1: ["nccl", "ring"]}
+    def job() -> dict[int, str | None]:
+        store = MemoryStore()
+        threads = [threading.Thread(target=rank, args=(r, store)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        return dict(chosen)
+
+    have.update({0: {"cupy": "", "torch": "no"}, 1: {"cupy": "no CUDA device", "torch": ""}})
+    assert job() == {0: None, 1: None}
+    have[0]["torch"] = ""
+    assert job() == {0: "torch", 1: "torch"}
+    have[1]["cupy"] = ""
+    assert job() == {0: "cupy", 1: "cupy"}
