@@ -61,7 +61,7 @@ from .backends import Backends
 from .collectives import collective
 from .config import Config
 from .errors import RingflowError, ShutdownError, from_wire
-from .executor import Entry, Executor, eager_input, output_of, unpack
+from .executor import Entry, Executor, eager_input, output_of, solo_allreduce, unpack
 from .handles import Handle
 from .lane import SoloLane
 from .liveness import Liveness
@@ -229,6 +229,8 @@ class Engine:
                 or self._timeline is not None or lane.others_busy()):
             return False
         bit = self.cache.lookup(req)
+        if bit is not None and lane.size == 1 and req.device != "cpu" and req.kind == "allreduce":
+            return self._solo(entry)
         data = None if bit is None else eager_input(entry)
         if data is None:
             return False
@@ -240,6 +242,19 @@ class Engine:
         self._posted = (entry, deadline)
         entry.handle._drive = self._drive
         self._lane_step()  # this post may have committed every rank's
+        return True
+
+    def _solo(self, entry: Entry) -> bool:
+        """A cached device allreduce of a job of one rank, done here (a 1-rank NCCL allreduce is
+        a copy; the engine's plan round trip cost ~0.4 ms of it on a GPU)."""
+        try:
+            out = solo_allreduce(entry, self.backends.timeout_s)
+        except Exception as exc:  # the device failed: this rank's job has failed
+            self._done(entry.handle, error=ShutdownError(f"the device failed: {exc!r}"))
+        else:
+            for stat in ("collectives", "tensors", "lane"):
+                self.stats[stat] += 1
+            self._done(entry.handle, out)
         return True
 
     def _drive(self) -> bool:

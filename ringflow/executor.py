@@ -41,7 +41,7 @@ from .negotiation import EAGER_BYTES, Request, Response
 from .ops import DTYPES, ReduceOp, scale_into
 from .transport.base import Link, Subset
 
-__all__ = ["Entry", "Executor", "eager_input", "output_of", "unpack"]
+__all__ = ["Entry", "Executor", "eager_input", "output_of", "solo_allreduce", "unpack"]
 
 
 class Entry:
@@ -375,6 +375,28 @@ def eager_input(entry: Entry) -> np.ndarray | None:
         return _scaled(flat, req.prescale, wire)
     # No copy: a worker pickles it at once, and rank 0 reduces it before the handle can finish.
     return flat if flat.dtype == wire else flat.astype(wire)
+
+
+def solo_allreduce(entry: Entry, timeout: float) -> Any:
+    """The allreduce of a device tensor in a job of one rank, in the submitting thread: the
+    input cast to the wire dtype with its prescale, scaled by the postscale, cast back; the
+    arithmetic of the plan path, without negotiation or a communicator (1-rank NCCL is a copy).
+    Returns once the device has finished (``fence``)."""
+    req, ns = entry.request, devices.namespace_of(entry.array)
+    out = output_of(entry, req, ns)
+    src, dst = ns.flat(entry.array), ns.flat(out)
+    wire, factor = req.wire_dtype, req.postscale  # Average over one rank: the postscale
+    if ns.dtype(entry.array) == wire and req.prescale == 1.0 and factor == 1.0:
+        if dst is not src and out is not entry.array:
+            ns.copy(dst, src)
+    else:
+        buf = ns.empty((math.prod(req.shape),), wire, entry.array)
+        ns.copy(buf, src, req.prescale)
+        if factor != 1.0:
+            ns.copy(buf, buf, factor)
+        ns.copy(dst, buf)
+    ns.fence(entry.array, timeout)
+    return out
 
 
 def unpack(result: Any, refs: tuple[Request, ...], entries: list[Entry | None],

@@ -278,8 +278,9 @@ class CupyNccl:
             self._held.clear()
 
     def _poll(self, done: Any, what: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        pause = 1e-6
+        start = time.monotonic()
+        deadline = start + self.timeout
+        pause = 2e-5
         while True:
             try:
                 self.comm.check_async_error()
@@ -296,8 +297,11 @@ class CupyNccl:
                 raise RingflowTimeoutError(
                     f"{what} on the GPU did not finish within {self.timeout} s; a peer may be "
                     "frozen or gone (RINGFLOW_TIMEOUT_S sets the limit)")
+            if time.monotonic() - start < 5e-5:  # as ringflow.devices.poll
+                time.sleep(0)
+                continue
             time.sleep(pause)
-            pause = min(pause * 2, 1e-4)
+            pause = min(pause * 2, 5e-4)
 
     # primitives -------------------------------------------------------------------------------
     def allreduce(self, buf: Any, op: ReduceOp) -> None:

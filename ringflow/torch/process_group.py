@@ -44,7 +44,15 @@ collectives);
 nothing hangs past the engine's own limits (``RINGFLOW_TIMEOUT_S`` for a silent peer,
 ``RINGFLOW_DEADLOCK_SHUTDOWN_S`` for ranks waiting on each other) or the group's ``timeout``.
 
-Not supported (raising at the call, or failing the Work on every rank): CUDA tensors, unsorted
+CUDA tensors (registered for ``cpu`` and ``cuda``): a CUDA tensor goes to the core as the
+tensor itself, so collectives run over NCCL where the job can (``ringflow.backends.Nccl``: each
+rank on its own GPU, ``torch.cuda.set_device(local_rank)``), else through host memory; results
+are written in place, and a copy into an output tensor is finished on the GPU before the Work
+completes (torch's future of a Python group records no CUDA event). scatter's root pieces and
+point to point are staged through host memory here (the core moves host arrays for them).
+DistributedDataParallel of a CUDA model with ``device_ids=[local_rank]`` runs on this.
+
+Not supported (raising at the call, or failing the Work on every rank): unsorted
 ``new_group(..., sort_ranks=False)`` rank lists, ``new_group(use_local_synchronization=True)``,
 a ringflow sub-group of a default group on another backend, ``allgather_coalesced``.
 """
@@ -52,6 +60,7 @@ a ringflow sub-group of a default group on another backend, ``allgather_coalesce
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,12 +103,34 @@ def _reduce_op(opts: Any, what: str) -> tuple[ReduceOp, str]:
 
 
 def _array(tensor: Any, what: str) -> tuple[Any, torch.Tensor | None]:
-    """(numpy array over a contiguous CPU copy-or-self of ``tensor``, that tensor), or
-    (Invalid, None): the reason then fails the operation on every rank."""
-    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
-        return Invalid(f"{what} is on {tensor.device}; the ringflow torch.distributed backend "
-                       "takes CPU tensors"), None
+    """(what the engine moves for a contiguous copy-or-self of ``tensor``: a numpy view of a
+    CPU tensor, a CUDA tensor itself; that tensor), or (Invalid, None): the reason then fails
+    the operation on every rank."""
     return prepare(tensor, what)
+
+
+def _host(tensor: Any, what: str) -> tuple[Any, torch.Tensor | None]:
+    """:func:`_array` of a host copy of a CUDA tensor (scatter's root pieces and point to
+    point, which move host arrays: staged here)."""
+    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+        tensor = tensor.detach().cpu()
+    return prepare(tensor, what)
+
+
+def _numel(arr: Any) -> int:
+    return math.prod(arr.shape)
+
+
+def _cat(arrays: Sequence[Any]) -> Any:
+    """The flat concatenation of numpy arrays or of device tensors."""
+    if arrays and isinstance(arrays[0], torch.Tensor):
+        return torch.cat([a.reshape(-1) for a in arrays])
+    return np.concatenate([a.reshape(-1) for a in arrays])
+
+
+def _flat(values: Any) -> Any:
+    return values.reshape(-1) if isinstance(values, torch.Tensor) else \
+        np.asarray(values).reshape(-1)
 
 
 def _rows(arr: Any, rows: int = 1) -> Any:
@@ -107,13 +138,20 @@ def _rows(arr: Any, rows: int = 1) -> Any:
     tensors, and the coordinator compares the rest (the element count) across ranks."""
     if isinstance(arr, Invalid):
         return arr
-    return arr.reshape(rows, arr.size // rows if rows else 0)
+    return arr.reshape(rows, _numel(arr) // rows if rows else 0)
 
 
-def _put(out: torch.Tensor, values: np.ndarray) -> None:
-    """Copy ``values`` (as many elements as ``out``, its dtype) into ``out``, any layout."""
+def _put(out: torch.Tensor, values: Any) -> None:
+    """Copy ``values`` (as many elements as ``out``, its dtype: a numpy array, or a tensor on
+    ``out``'s device) into ``out``, any layout. On a GPU the copy is finished before the Work
+    completes (torch's future of a Python group records no CUDA event)."""
     with torch.no_grad():
-        out.copy_(from_numpy(np.ascontiguousarray(values)).view(out.shape))
+        if isinstance(values, torch.Tensor):
+            out.copy_(values.reshape(out.shape))
+        else:
+            out.copy_(from_numpy(np.ascontiguousarray(values)).view(out.shape))
+        if out.is_cuda:
+            torch.cuda.current_stream(out.device).synchronize()
 
 
 def _write_back(tensor: torch.Tensor, t: torch.Tensor | None) -> None:
@@ -266,7 +304,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
                 error = (f"all_gather: the output list has {len(outs)} tensors for a group of "
                          f"{self.size()} ranks")
             else:
-                error = _numel_error("all_gather's output list", outs, arr.size)
+                error = _numel_error("all_gather's output list", outs, _numel(arr))
         handle = self._submit("allgather", _rows(arr), name, error)
 
         def finish(values: list[Any]) -> list[torch.Tensor]:
@@ -281,10 +319,10 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         name = self._name()
         arr, _ = _array(input, "all_gather_into_tensor's input")
         error = ""
-        if not isinstance(arr, Invalid) and output.numel() != arr.size * self.size():
+        if not isinstance(arr, Invalid) and output.numel() != _numel(arr) * self.size():
             error = (f"all_gather_into_tensor: the output has {output.numel()} elements, but "
-                     f"{self.size()} ranks x {arr.size} input elements make "
-                     f"{arr.size * self.size()}")
+                     f"{self.size()} ranks x {_numel(arr)} input elements make "
+                     f"{_numel(arr) * self.size()}")
         handle = self._submit("allgather", _rows(arr), name, error)
 
         def finish(values: list[Any]) -> list[torch.Tensor]:
@@ -301,7 +339,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         arrays = [_rows(_array(x, f"all_gather_into_tensor's input {i}")[0])
                   for i, x in enumerate(inputs)]
         bad = [i for i, (o, a) in enumerate(zip(outputs, arrays, strict=True))
-               if not isinstance(a, Invalid) and o.numel() != a.size * self.size()]
+               if not isinstance(a, Invalid) and o.numel() != _numel(a) * self.size()]
         error = (f"all_gather_into_tensor (coalesced): output {bad[0]} does not hold "
                  f"{self.size()} ranks' inputs") if bad else ""
         handle = self._group("allgather", arrays, name, error)
@@ -328,7 +366,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
                 error = (f"gather: the root's gather_list has {len(outs)} tensors for a group "
                          f"of {self.size()} ranks")
             else:
-                error = _numel_error("gather's gather_list", outs, arr.size)
+                error = _numel_error("gather's gather_list", outs, _numel(arr))
         handle = self._submit("gather", _rows(arr), name, error, root=root)
 
         def finish(values: list[Any]) -> list[torch.Tensor]:
@@ -348,7 +386,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         joined: Any = np.empty(0, np.uint8)
         if runtime.rank() == root:
             pieces = input_tensors[0] if input_tensors else []
-            arrays = [_array(x, f"scatter's tensor {i}")[0] for i, x in enumerate(pieces)]
+            arrays = [_host(x, f"scatter's tensor {i}")[0] for i, x in enumerate(pieces)]
             invalid = [a for a in arrays if isinstance(a, Invalid)]
             if invalid:
                 joined = invalid[0]
@@ -363,7 +401,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
                     joined = np.concatenate([a.reshape(-1) for a in arrays])
                     splits = tuple(a.size for a in arrays)
         handle = self._submit("scatter", joined, name, error, root=root, splits=splits)
-        want = _array(out, "scatter's output")[0]
+        want = _host(out, "scatter's output")[0]
 
         def finish(values: list[Any]) -> list[torch.Tensor]:
             piece = np.asarray(values[0])
@@ -386,7 +424,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         n, me = self.size(), self.rank()
         arrays = [_array(x, f"reduce_scatter's input {i}")[0] for i, x in enumerate(pieces)]
         invalid = [a for a in arrays if isinstance(a, Invalid)]
-        sizes = [getattr(a, "size", 0) for a in arrays]
+        sizes = [0 if isinstance(a, Invalid) else _numel(a) for a in arrays]
         if not error and not invalid and len(arrays) != n:
             error = (f"reduce_scatter: the input list has {len(arrays)} tensors for a group of "
                      f"{n} ranks")
@@ -397,7 +435,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         if invalid or error:
             joined: Any = invalid[0] if invalid else np.empty(0, np.float32)
         else:
-            joined = np.concatenate([a.reshape(-1) for a in arrays])
+            joined = _cat(arrays)
         scales = submission.scales(op, 1.0, 1.0)
         if even:  # ringflow's reducescatter hands rank q row q of (n, m)
             handle = self._submit("reducescatter", _rows(joined, n), name, error, **scales)
@@ -406,7 +444,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         start = sum(sizes[:me])
 
         def finish(values: list[Any]) -> list[torch.Tensor]:
-            result = np.asarray(values[0]).reshape(-1)
+            result = _flat(values[0])
             _put(out, result if even else result[start:start + out.numel()])
             return [out]
 
@@ -418,8 +456,8 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         op, error = _reduce_op(opts, "reduce_scatter_tensor")
         n = self.size()
         arr, _ = _array(input, "reduce_scatter_tensor's input")
-        if not error and not isinstance(arr, Invalid) and arr.size != n * output.numel():
-            error = (f"reduce_scatter_tensor: the input has {arr.size} elements, but a group "
+        if not error and not isinstance(arr, Invalid) and _numel(arr) != n * output.numel():
+            error = (f"reduce_scatter_tensor: the input has {_numel(arr)} elements, but a group "
                      f"of {n} ranks with outputs of {output.numel()} needs {n * output.numel()}")
         rows = arr if error else _rows(arr, n)
         handle = self._submit("reducescatter", rows, name, error,
@@ -441,7 +479,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         arrays = [_array(x, f"reduce_scatter_tensor's input {i}")[0]
                   for i, x in enumerate(inputs)]
         bad = [i for i, (o, a) in enumerate(zip(outputs, arrays, strict=True))
-               if not isinstance(a, Invalid) and a.size != n * o.numel()]
+               if not isinstance(a, Invalid) and _numel(a) != n * o.numel()]
         if bad and not error:
             error = (f"reduce_scatter_tensor (coalesced): input {bad[0]} does not hold "
                      f"{n} outputs")
@@ -481,10 +519,10 @@ class ProcessGroupRingflow(dist.ProcessGroup):
         def finish(values: list[Any]) -> list[torch.Tensor]:
             received, recv_splits = values[0]
             got = [int(s) for s in np.asarray(recv_splits).reshape(-1)]
-            if (want and got != want) or np.asarray(received).size != output.numel():
+            if (want and got != want) or _numel(received) != output.numel():
                 raise TensorError(
                     f"all_to_all_single {name!r}: rank {runtime.rank()} received rows {got} "
-                    f"({np.asarray(received).size} elements) but its output expects "
+                    f"({_numel(received)} elements) but its output expects "
                     f"{want or 'an even split'} ({output.numel()} elements)")
             _put(output, received)
             return [output]
@@ -507,8 +545,8 @@ class ProcessGroupRingflow(dist.ProcessGroup):
             joined: Any = invalid[0] if invalid else np.empty(0, np.float32)
             splits: tuple[int, ...] = ()
         else:
-            joined = np.concatenate([a.reshape(-1) for a in arrays])
-            splits = tuple(a.size for a in arrays)
+            joined = _cat(arrays)
+            splits = tuple(_numel(a) for a in arrays)
         handle = self._submit("alltoall", joined, name, error, splits=splits)
 
         def finish(values: list[Any]) -> list[torch.Tensor]:
@@ -519,7 +557,7 @@ class ProcessGroupRingflow(dist.ProcessGroup):
                 raise TensorError(f"all_to_all {name!r}: rank {runtime.rank()} received "
                                   f"{got} elements from the ranks, its outputs hold {want}")
             offsets = np.cumsum([0, *got])
-            flat = np.asarray(received).reshape(-1)
+            flat = _flat(received)
             for i, out in enumerate(output_tensors):
                 _put(out, flat[offsets[i]:offsets[i + 1]])
             return list(output_tensors)
@@ -552,20 +590,23 @@ class ProcessGroupRingflow(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Work:
         dst = self._global(dstRank, "send")
         tensor = tensors[0]
-        arr, _ = _array(tensor, f"the tensor sent to rank {dst}")
+        arr, _ = _host(tensor, f"the tensor sent to rank {dst}")
         handle = start_send(arr, dst, self._tag(tag))
         return self._work(f"send to {dst} tag {tag}", [handle], lambda _: [tensor])
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Work:
         src = self._global(srcRank, "recv")
         tensor = tensors[0]
-        arr, t = _array(tensor, f"recv from rank {src}")
+        arr, t = _host(tensor, f"recv from rank {src}")
         if t is None:
             raise TensorError(str(arr))  # nothing was sent for it yet: this rank alone fails
         handle = start_recv(src, self._tag(tag), out=arr)
 
         def finish(_: list[Any]) -> list[torch.Tensor]:
-            _write_back(tensor, t)
+            if tensor.is_cuda:
+                _put(tensor, arr)
+            else:
+                _write_back(tensor, t)
             return [tensor]
 
         return self._work(f"recv from {src} tag {tag}", [handle], finish)
@@ -658,5 +699,5 @@ def register() -> None:
     """Make ``backend="ringflow"`` known to torch.distributed (once per process)."""
     if hasattr(dist.Backend, BACKEND.upper()):
         return
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 

@@ -213,3 +213,43 @@ def test_device_errors_reach_every_rank_and_name_the_devices() -> None:
     assert "is on fake:1, but this process already moves tensors on fake:0" in second
     assert "must be a contiguous array of shape (2,) on fake:0" in out
     assert results[1][0] == mixed  # the same texts on every rank
+
+
+def one_rank_device_allreduce_in_the_caller() -> list[str]:
+    """A job of one rank completes a cached device allreduce in the submitting thread (no
+    plan, no communicator, no staging), with the bits of the plan path."""
+    import ringflow as rf
+    from ringflow.devices import fake
+    from ringflow.devices.fake import FakeArray, asnumpy, to_fake
+
+    rf.init()
+    cases = [(np.float32, rf.Sum, 1.0, 1.0, rf.Compression.none),
+             (np.float32, rf.Average, 2.0, 0.3, rf.Compression.fp16),
+             (np.int32, rf.Average, 3.0, 0.7, rf.Compression.none),
+             (np.uint8, rf.Average, 1.0, 2.0, rf.Compression.none),
+             (np.float16, rf.Sum, 0.5, 1.0, rf.Compression.bf16)]
+    done = []
+    for i, (dtype, op, pre, post, compression) in enumerate(cases):
+        x = to_fake((np.arange(-50, 250) * 1.7).astype(dtype))
+        kw = dict(name=f"c{i}", op=op, prescale_factor=pre, postscale_factor=post,
+                  compression=compression)
+        planned = rf.allreduce(x, **kw)  # the first call negotiates (and caches the name)
+        before = rf.stats()["lane"]
+        fake.reset_counts()
+        solo = rf.allreduce(x, **kw)
+        assert rf.stats()["lane"] == before + 1, rf.stats()
+        assert fake.COUNTS["to_host"] == 0 and fake.COUNTS["fence"] == 1, fake.COUNTS
+        assert isinstance(solo, FakeArray) and solo.dtype == dtype
+        np.testing.assert_array_equal(asnumpy(solo), asnumpy(planned))
+        done.append(np.dtype(dtype).name)
+    y = to_fake(np.full(4, 3, np.float32))
+    rf.allreduce(y, name="in place", op=rf.Sum, out=y)
+    assert rf.allreduce(y, name="in place", op=rf.Sum, out=y) is y
+    np.testing.assert_array_equal(asnumpy(y), np.full(4, 3, np.float32))
+    rf.shutdown()
+    return done
+
+
+def test_one_rank_completes_a_cached_device_allreduce_in_the_caller() -> None:
+    (done,) = spawn_ranks(1, one_rank_device_allreduce_in_the_caller)
+    assert done == ["float32", "float32", "int32", "uint8", "float16"]
