@@ -252,3 +252,28 @@ def test_a_peer_that_dies_inside_nccl_fails_the_others_within_seconds(tmp_path: 
     assert len({s["error"] for s in seen}) == 1, seen
     assert seen[0]["error"].startswith("PeerError") and "rank 2" in seen[0]["error"], seen
     assert all(s["elapsed"] < 5 for s in seen), seen
+
+
+def test_check_build_marks_a_provider_usable_once_its_self_test_ran(tmp_path: Path) -> None:
+    """With a GPU listed (a fake nvidia-smi) and the stand-in for cupy, ``--check-build`` runs a
+    one-rank allreduce through each provider in a child process: cupy's runs (and is the one in
+    use); torch's, a CPU build here, does not, and the line says why."""
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: stand-in (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([STANDINS, root]), "CUPY_STANDIN_NCCL_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "ringflow.runner", "--check-build"], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split("(")[0].strip(): line for line in proc.stdout.splitlines()}
+    cupy = lines["[X] NCCL via cupy"]
+    assert "cupy 14.2.0, NCCL 2.28.9: a one-rank allreduce ran; in use" in cupy, proc.stdout
+    torch_line = next(v for k, v in lines.items() if k.endswith("NCCL via torch"))
+    assert torch_line.lstrip().startswith("[ ]") and "did not run" in torch_line, proc.stdout
