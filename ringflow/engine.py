@@ -63,7 +63,6 @@ from .config import Config
 from .errors import RingflowError, ShutdownError, from_wire
 from .executor import Entry, Executor, eager_input, output_of, solo_allreduce, unpack
 from .handles import Handle
-from .lane import SoloLane
 from .liveness import Liveness
 from .messages import (
     TIMELINE,
@@ -129,8 +128,9 @@ class Engine:
         # lane: of them, those that took the same-host lane (ringflow.lane).
         self.stats = {"collectives": 0, "tensors": 0, "bits_sent": 0, "requests_sent": 0,
                       "eager": 0, "lane": 0}
-        self.lane = (backends.lane if size > 1 else SoloLane()) if config.lane_wait_us > 0 \
-            else None
+        self.lane = backends.lane if size > 1 and config.lane_wait_us > 0 else None
+        # A job of one rank completes its cached allreduces in the caller (_solo).
+        self._solo_ok = size == 1 and config.lane_wait_us > 0
         # Everything below is control state, guarded by _lock, except _inbox (the engine
         # thread's queue) and _fatal (written by the engine thread only).
         self._lock = threading.RLock()
@@ -223,14 +223,19 @@ class Engine:
 
     # the same-host lane (ringflow.lane) --------------------------------------------------------
     def _post(self, entry: Entry) -> bool:
-        """Post ``entry`` on the lane if it may take it (under the lock, the engine idle)."""
+        """Post ``entry`` on the lane if it may take it (under the lock, the engine idle); in a
+        job of one rank, complete a cached allreduce at once."""
         lane, req = self.lane, entry.request
-        if (lane is None or req.process_set != 0 or req.group or req.error
-                or self._timeline is not None or lane.others_busy()):
+        if (req.process_set != 0 or req.group or req.error or self._timeline is not None
+                or (lane is None and not self._solo_ok)):
+            return False
+        if self._solo_ok:
+            if req.kind != "allreduce" or self.cache.lookup(req) is None:
+                return False
+            return self._solo(entry)
+        if lane.others_busy():
             return False
         bit = self.cache.lookup(req)
-        if bit is not None and lane.size == 1 and req.device != "cpu" and req.kind == "allreduce":
-            return self._solo(entry)
         data = None if bit is None else eager_input(entry)
         if data is None:
             return False
@@ -245,12 +250,13 @@ class Engine:
         return True
 
     def _solo(self, entry: Entry) -> bool:
-        """A cached device allreduce of a job of one rank, done here (a 1-rank NCCL allreduce is
-        a copy; the engine's plan round trip cost ~0.4 ms of it on a GPU)."""
+        """A cached allreduce of a job of one rank, done here: a copy (scaled, through the wire
+        dtype), none in place. The plan's round trip with itself cost a 4 KiB allreduce ~0.1 ms
+        on CPU, 0.4 ms on a GPU, and a 64 MiB one in place 66 us on CPU."""
         try:
             out = solo_allreduce(entry, self.backends.timeout_s)
-        except Exception as exc:  # the device failed: this rank's job has failed
-            self._done(entry.handle, error=ShutdownError(f"the device failed: {exc!r}"))
+        except Exception as exc:  # validated requests do not raise here; a device may
+            self._done(entry.handle, error=ShutdownError(f"internal error in the engine: {exc!r}"))
         else:
             for stat in ("collectives", "tensors", "lane"):
                 self.stats[stat] += 1

@@ -378,14 +378,15 @@ def eager_input(entry: Entry) -> np.ndarray | None:
 
 
 def solo_allreduce(entry: Entry, timeout: float) -> Any:
-    """The allreduce of a device tensor in a job of one rank, in the submitting thread: the
-    input cast to the wire dtype with its prescale, scaled by the postscale, cast back; the
-    arithmetic of the plan path, without negotiation or a communicator (1-rank NCCL is a copy).
-    Returns once the device has finished (``fence``)."""
-    req, ns = entry.request, devices.namespace_of(entry.array)
+    """The allreduce of a job of one rank, in the submitting thread: the input cast to the wire
+    dtype with its prescale, scaled by the postscale (Average over one rank), cast back; the
+    arithmetic of the plan path (``reduce_parts`` of one part), without negotiation, a transport
+    or a communicator. Returns once the device, if any, has finished (``fence``)."""
+    req = entry.request
+    ns = devices.namespace_of(entry.array) or HOST
     out = output_of(entry, req, ns)
     src, dst = ns.flat(entry.array), ns.flat(out)
-    wire, factor = req.wire_dtype, req.postscale  # Average over one rank: the postscale
+    wire, factor = req.wire_dtype, req.postscale
     if ns.dtype(entry.array) == wire and req.prescale == 1.0 and factor == 1.0:
         if dst is not src and out is not entry.array:
             ns.copy(dst, src)

@@ -36,8 +36,9 @@ reads a slot while its owner rewrites it. A rank that sees its slot COMMITTED re
 data without the lock, which x86's total store order makes safe (stores are seen in the order
 they were made); on other CPUs there is no lane (:data:`TSO`).
 
-**A job of one rank** has :class:`SoloLane`: every post commits at once (there is nobody to wait
-for), so a cached small allreduce completes in the submitting thread, with the same arithmetic.
+**A job of one rank** has no lane: the engine completes its cached allreduces (any size, on
+the host or a device) in the submitting thread, with the same arithmetic
+(:func:`ringflow.executor.solo_allreduce`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import numpy as np
 from .algorithms.local import reduce_parts
 from .ops import ReduceOp
 
-__all__ = ["LINE", "TSO", "Lane", "SoloLane"]
+__all__ = ["LINE", "TSO", "Lane"]
 
 #: Bytes of a slot's header line (one cache line).
 LINE = 64
@@ -181,38 +182,3 @@ class Lane:
         self._last = commit
         self._mine[_READ] = commit
         self._mine[_STATE] = EMPTY
-
-
-_NOTHING = np.empty(0, np.uint8)  # SoloLane's data between operations
-
-
-class SoloLane:
-    """The lane of a job of one rank: no segment, no lock; a post is committed when it is made."""
-
-    size = 1
-
-    def __init__(self) -> None:
-        self._data = _NOTHING
-
-    def set_busy(self, busy: bool) -> None:
-        pass
-
-    def others_busy(self) -> bool:
-        return False
-
-    def post(self, bit: int, data: np.ndarray, deadline: float) -> bool:
-        self._data = data  # the caller's prescaled input: read before its handle can finish
-        return True
-
-    def committed(self) -> bool:
-        return True
-
-    def hopeless(self) -> bool:
-        return False
-
-    def withdraw(self) -> bool | None:
-        return False
-
-    def reduce(self, out: np.ndarray, op: ReduceOp, postscale: float) -> None:
-        data, self._data = self._data, _NOTHING  # the caller's array is not kept
-        reduce_parts([data], 0, out.size, out, op, postscale)

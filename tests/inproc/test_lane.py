@@ -1,7 +1,7 @@
 """The same-host lane (ringflow.lane) at the thread tier: n engines on shared memory.
 
 Small cached allreduces submitted while a rank is idle are posted on the lane (a job of one rank:
-:class:`~ringflow.lane.SoloLane`, which commits every post at once); the lane must give
+its engine, which completes every cached call at once); the lane must give
 the bits the coordinator's eager path gives, and every situation where the ranks do not all post
 the same name at about the same time (other orders, a late rank, a mismatch, joined ranks,
 operations in flight) must end on the normal path with its usual result or error.
@@ -95,7 +95,7 @@ def test_the_lane_gives_the_eager_paths_bits_and_the_closed_form(n: int) -> None
     cached = 2 * len(CASES) * len(LENGTHS)
     assert sum(s["lane"] for s, _ in lane) > 0, [s for s, _ in lane]
     assert all(s["collectives"] == cached for s, _ in lane)
-    if n == 1:  # a job of one rank: nobody to wait for, every cached operation (SoloLane)
+    if n == 1:  # a job of one rank: nobody to wait for, every cached operation (Engine._solo)
         assert lane[0][0]["lane"] == cached
     # The closed form, from the last round's bytes on rank 0.
     k = 0
