@@ -2,9 +2,9 @@
 
 Both adapters re-export these, so they answer the same everywhere and truthfully for ringflow:
 ringflow moves bytes with its own TCP and shared-memory transports (never Gloo), with MPI when
-mpi4py loads an MPI library, and allreduces CUDA buffers with NCCL where cupy's NCCL loads and a
-device is present (other CUDA work is staged through host memory). Nothing of the GPU path has
-run on a GPU yet (see the README's "GPUs").
+mpi4py loads an MPI library, and runs the collectives of CUDA buffers with NCCL where cupy's or
+torch's NCCL can run and a device is present (otherwise CUDA work is staged through host
+memory; docs/guides/gpus.md says what has run on a GPU).
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> bool:
-    """True when this process can allreduce CUDA buffers with NCCL: cupy with NCCL loads and a
-    CUDA device is present (:func:`ringflow.algorithms.nccl.unusable_reason`). A job uses it only
-    where every rank can."""
-    from .algorithms import nccl
+    """True when this process can run NCCL: cupy's binding loads and a CUDA device is present,
+    or torch (when already imported) has NCCL and a device (:func:`ringflow.backends.
+    nccl_providers`). A job uses it only where every rank can."""
+    from .backends import nccl_providers
 
-    return not nccl.unusable_reason()
+    return any(not why for why in nccl_providers().values())
 
 
 def cuda_built() -> bool:

@@ -1,9 +1,8 @@
 """The cupy namespace: cupy arrays on CUDA devices (``"cuda:<i>"``).
 
-**Status: UNVERIFIED.** Written without a GPU; nothing here has run on one (``tests/gpu``
-covers it and skips without cupy and a device). The same operations run on CPU through the
-stand-in (:mod:`ringflow.devices.fake`), which proves the core calls them where it should, not
-that these calls are right.
+Runs in CI against the cupy stand-in (``tests/standins/cupy``), which has cupy's interface
+but host memory and no kernels; on a GPU, ``tests/gpu`` and ``benchmarks/gpu_check.py``
+(docs/guides/gpus.md says what has run on one).
 
 Buffers are cupy arrays on the input's device; casts and Horovod's prescale arithmetic are cupy
 ufuncs (``dtype=`` the wide type, ``casting="unsafe"``, as :func:`ringflow.ops.scale_into`);
