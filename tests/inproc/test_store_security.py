@@ -297,6 +297,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+@pytest.mark.processes
 def test_out_of_file_descriptors_backs_off_instead_of_spinning(secret: bytes) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}

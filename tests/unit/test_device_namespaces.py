@@ -38,6 +38,7 @@ def test_the_stand_in_refuses_numpy_everywhere() -> None:
     assert isinstance(x[1:3], FakeArray) and isinstance(x.reshape(2, 2), FakeArray)
 
 
+@pytest.mark.processes
 def test_a_registered_library_is_looked_at_only_once_imported() -> None:
     code = ("import sys, numpy as np, ringflow; from ringflow import devices; "
             "devices.namespace_of(np.ones(2)); "

@@ -28,6 +28,7 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=50)
 
 
+@pytest.mark.processes
 def test_importing_ringflow_and_ringflow_ray_does_not_import_ray() -> None:
     proc = _python("""
         import sys
@@ -38,6 +39,7 @@ def test_importing_ringflow_and_ringflow_ray_does_not_import_ray() -> None:
     assert proc.stdout.strip() == "[]"
 
 
+@pytest.mark.processes
 def test_without_ray_the_executor_names_the_install_command() -> None:
     proc = _python("""
         import sys
