@@ -10,13 +10,16 @@ the framework that is imported. Each round times, in alternating order (forward,
 reversed), for each wire dtype:
 
 * ``own``: the framework's own cast of its tensor (``t.to(torch.float16)`` /
-  ``tf.cast(t, tf.float16)``; back: ``h.to(torch.float32)`` / ``tf.cast(h, tf.float32)``);
+  ``tf.cast(t, tf.float16)``; back: ``h.to(torch.float32)`` / ``tf.cast(h, tf.float32)``), which
+  allocates its result;
+* ``into``: (torch only) the same kernel into a tensor allocated once (``b.copy_(t)``): the
+  kernel's own speed, without the allocation and first touch that ``own`` pays;
 * ``ringflow``: the executor's pack into its (reused) fusion buffer, and unpack;
 * ``numpy``: numpy's / ml_dtypes' cast into the same buffer (the path before the kernels), and
   back into a new array.
 
 Printed: the median time of each over the rounds, and the median of the per-round ratios
-ringflow / own and numpy / own. ``--threads`` is the framework's intra-op thread count (one rank
+of each to ``own``. ``--threads`` is the framework's intra-op thread count (one rank
 per core: 1). Each framework runs in its own process (``--framework``): with torch imported,
 torch's kernel is the one used.
 """
@@ -66,6 +69,12 @@ def _cases(framework: str, x: np.ndarray, threads: int) -> dict[str, dict[str, C
             from ringflow.devices.torch_tensors import host_view
 
             return host_view(buf).clone()
+
+        def into(wire: np.dtype) -> dict[str, Callable]:
+            from ringflow.devices.torch_tensors import host_view
+
+            b, h, o = torch.empty(n, dtype=own[wire]), host_view(np.ones(n, wire)), torch.empty(n)
+            return {"compress into": lambda: b.copy_(t), "decompress into": lambda: o.copy_(h)}
     else:
         import tensorflow as tf
 
@@ -83,6 +92,9 @@ def _cases(framework: str, x: np.ndarray, threads: int) -> dict[str, dict[str, C
         def own_of(buf: np.ndarray) -> object:
             return tf.constant(buf)
 
+        def into(wire: np.dtype) -> dict[str, Callable]:
+            return {}
+
     cases: dict[str, dict[str, Callable]] = {}
     for wire in (F16, BF16):
         buf = np.empty(n, wire)
@@ -97,6 +109,7 @@ def _cases(framework: str, x: np.ndarray, threads: int) -> dict[str, dict[str, C
             "decompress ringflow": lambda buf=buf: unpack(buf, ref, [entry]),  # type: ignore
             "decompress numpy": lambda buf=buf: np.copyto(np.empty(n, F32), buf,
                                                           casting="unsafe"),
+            **into(wire),
         }
     return cases
 
@@ -125,8 +138,10 @@ def main() -> None:
         for step in ("compress", "decompress"):
             own = times[f"{step} own"]
             line = f"  {step:<10} own {statistics.median(own):7.2f}"
-            for who in ("ringflow", "numpy"):
-                mine = times[f"{step} {who}"]
+            for who in ("into", "ringflow", "numpy"):
+                mine = times.get(f"{step} {who}")
+                if mine is None:
+                    continue
                 ratio = statistics.median(m / o for m, o in zip(mine, own, strict=True))
                 line += f" | {who} {statistics.median(mine):7.2f} ({ratio:.2f}x)"
             print(line)
