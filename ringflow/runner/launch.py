@@ -189,6 +189,21 @@ def worker_environ(
     return env
 
 
+def _thread_defaults(env: Mapping[str, str], spec: WorkerSpec, told: set[str]) -> dict[str, str]:
+    """The thread variables of a worker on this host (:mod:`ringflow.threads`); the first worker
+    of a host says what they are (INFO: ``--verbose``) and whether the user's oversubscribe."""
+    from .. import threads
+
+    plan = threads.for_launcher(env, spec.local_rank, spec.local_size,
+                                env.get("RINGFLOW_BIND_TO") or "none")
+    if spec.host not in told:
+        told.add(spec.host)
+        log.info("threads on %s: %s", spec.host, plan.describe())
+        if plan.note:
+            log.warning("%s", plan.note)
+    return plan.environ()
+
+
 def reserve_port() -> socket.socket:
     """A TCP socket bound to a free port on every IPv4 address of this host, not listening.
 
@@ -279,6 +294,7 @@ class LocalJob:
         setup = _child_setup(os.getpid())
         addr, port = self._rendezvous
         files = self._open_output_files()
+        told: set[str] = set()
         try:
             for spec in self._workers:
                 argv = list(self._command(spec) if callable(self._command) else self._command)
@@ -287,6 +303,8 @@ class LocalJob:
                     spec, rendezvous_addr=addr, rendezvous_port=port, job_id=self._job_id,
                     base_env=self._base_env, master_addr=master_addr, master_port=master_port,
                 )
+                if not self._remote[self._position[spec.rank]]:  # remote: its bootstrap decides
+                    env.update(_thread_defaults(env, spec, told))
                 log.info("starting rank %d on %s: %s", spec.rank, spec.host, argv)
                 self._procs.append(self._spawn(spec, argv, env, setup))
         except BaseException:
