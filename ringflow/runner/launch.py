@@ -19,9 +19,12 @@ Each worker
     * gets ``os.environ`` (or ``base_env``) plus ``RINGFLOW_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE,
       _CROSS_RANK, _CROSS_SIZE, _HOSTNAME, _RENDEZVOUS_ADDR, _RENDEZVOUS_PORT, _JOB_ID,
       _LAUNCHER_PID``, ``GLIBC_TUNABLES`` with :data:`MEMCPY_TUNABLE` added (unless that tunable
-      is set already), and ``RINGFLOW_SECRET_FD``: the number of an inherited pipe from which it
-      reads the secret as hex text and a newline (``RINGFLOW_LAUNCHER_PID`` is its parent's pid:
-      its supervisor's). The secret is never in an argv, an environment value, or a log line;
+      is set already), a worker on this host the thread counts of :mod:`ringflow.threads`
+      (``OMP_NUM_THREADS``, ... and ``RINGFLOW_THREADS``; a remote worker gets them from its
+      bootstrap, decided on its host), and ``RINGFLOW_SECRET_FD``: the number of an inherited
+      pipe from which it reads the secret as hex text and a newline (``RINGFLOW_LAUNCHER_PID``
+      is its parent's pid: its supervisor's). The secret is never in an argv, an environment
+      value, or a log line;
     * also gets torchrun's variables (:data:`TORCHRUN_ENV`): ``RANK, LOCAL_RANK, WORLD_SIZE,
       LOCAL_WORLD_SIZE``, ``GROUP_RANK, GROUP_WORLD_SIZE`` (its host's index and the number of
       hosts, as torchrun's node rank and node count), ``ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME``
