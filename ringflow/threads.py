@@ -382,6 +382,9 @@ def _tensorflow(tf: Any, plan: Plan, sharing: int, cores: int,
     if intra not in (0, plan.threads) or "TF_NUM_INTRAOP_THREADS" in plan.user:
         return f"TensorFlow's {intra or plan.user.get('TF_NUM_INTRAOP_THREADS')} intra-op " \
                "threads kept (yours)", ""
+    if intra == 0 and _started_with().get("TF_NUM_INTRAOP_THREADS") == str(plan.threads):
+        # a launcher of ringflow's put it there: TensorFlow reads it when its runtime starts
+        return f"TensorFlow follows TF_NUM_INTRAOP_THREADS={plan.threads}", ""
     try:
         threading.set_intra_op_parallelism_threads(plan.threads)
         if "TF_NUM_INTEROP_THREADS" not in plan.user:
