@@ -35,7 +35,7 @@ from . import algorithms, devices
 from .algorithms import device
 from .backends import Backends
 from .collectives import COLLECTIVES
-from .devices import ArrayNamespace
+from .devices import ArrayNamespace, casts
 from .devices.host import HOST
 from .negotiation import EAGER_BYTES, Request, Response
 from .ops import DTYPES, ReduceOp, scale_into
@@ -208,11 +208,11 @@ class Executor:
         (entry,), req = entries, item.requests[0]
         buf, wire = entry.array, req.wire_dtype  # casting to the wire dtype compresses
         if req.prescale != 1.0:
-            buf = _scaled(buf, req.prescale, wire)
+            buf = casts.astype(buf, wire, req.prescale)
         elif buf.dtype != wire:
-            buf = buf.astype(wire)
+            buf = casts.astype(buf, wire)
         out = algorithms.reducescatter(t, buf, ReduceOp(req.reduce_op), req.postscale)
-        return [out.astype(entry.array.dtype, copy=False)]
+        return [casts.astype(out, entry.array.dtype)]
 
     def _allreduce(self, t: Link, item: Response, entries: list[Entry | None],
                    ns: ArrayNamespace = HOST, like: Any = None, impl: Any = None) -> list[Any]:

@@ -123,6 +123,7 @@ class ClockReply:
 class TraceEvents:
     records: list[Any]  # ringflow.timeline.Record tuples
     last: bool  # the rank stopped recording (or shuts down)
+    meta: dict[str, Any] | None = None  # the rank's metadata, with its first message
 
 
 # point to point ----------------------------------------------------------------------------------

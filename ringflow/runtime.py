@@ -115,7 +115,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
         PeerError / RingflowTimeoutError: the other ranks could not be reached within timeout_s.
     """
     global _engine, _info, _client
-    from . import topology
+    from . import threads, topology
     from .backends import connect
     from .engine import Engine
 
@@ -162,12 +162,15 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
                 info = topology.place(info, [store.get(f"{prefix}host/{r}").decode()
                                              for r in range(info.size)])
         fault.arm(config.fault, info.rank)
+        pool = threads.affinity()
         why_not = topology.auto_binding(info) if config.bind_to == "auto" else ""
-        if config.bind_to == "core" or (config.bind_to == "auto" and not why_not):
+        bound = config.bind_to == "core" or (config.bind_to == "auto" and not why_not)
+        if bound:
             cpus = topology.bind_to_cores(info)
             log.info("rank %d bound to CPUs %s", info.rank, cpus)
         elif why_not:
             log.info("rank %d not bound to CPUs: %s", info.rank, why_not)
+        threads.at_init(info, store, prefix, pool, bound)
         backends = connect(info, store, config, prefix, comm=comm)
         if fault.ARMED:
             fault.hit("init")

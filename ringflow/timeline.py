@@ -21,6 +21,8 @@ Layout (``pid`` = a track, ``tid`` = a row of it, one row per tensor name):
 * ``coordinator`` (``pid`` = the job's size): ``NEGOTIATE_<KIND>`` from the first rank's request
   to the plan, with a tick per rank when its request arrived (named by the rank, as Horovod's
   ticks are): who was early, who was late.
+* metadata events on each rank's track: ``ringflow`` (``args.threads``: the rank's thread
+  counts and where they come from, :mod:`ringflow.threads`) and ``process_labels``;
 * ``CLOCK_SYNC`` instants on each rank's track: the clock offset used (``args.offset_us``, the
   rank's clock minus rank 0's) and the round trip it was measured with.
 
@@ -58,9 +60,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
+from . import threads
 from .messages import ClockProbe, ClockReply, TraceEvents
 
-__all__ = ["FINAL_WAIT_S", "PROBES", "WINDOW", "Timeline", "TraceWriter", "answer_probe"]
+__all__ = ["FINAL_WAIT_S", "PROBES", "WINDOW", "Timeline", "TraceWriter", "answer_probe",
+           "rank_metadata"]
 
 #: Probes in the first burst to each rank (one after the other), and the samples kept after.
 PROBES = 8
@@ -80,6 +84,12 @@ Key = tuple[int, str]
 #: A finished operation: (process set, name, kind, called, planned, data plane start or None,
 #: done, tensors fused, error text).
 Record = tuple[int, str, str, float, float, float | None, float, int, str]
+
+
+def rank_metadata() -> dict[str, Any]:
+    """What this process's track says about it: its thread plan (:mod:`ringflow.threads`)."""
+    plan = threads.current()
+    return {"threads": plan.metadata()} if plan is not None else {}
 
 
 def answer_probe(probe: ClockProbe, recording: bool) -> ClockReply:
@@ -102,8 +112,8 @@ class Timeline:
         self._open: dict[Key, list[Any]] = {}  # key -> [called, planned, started]
         self._records: list[Record] = []
         self.writer = TraceWriter(path, size, send) if rank == 0 else None
-        if rank != 0:
-            send(0, TraceEvents([], False))  # rank 0 waits for this rank's last records
+        if rank != 0:  # rank 0 waits for this rank's last records; the metadata goes first
+            send(0, TraceEvents([], False, rank_metadata()))
 
     # operations (under the engine's lock) -----------------------------------------------------
     def submitted(self, key: Key) -> None:
@@ -226,6 +236,7 @@ class TraceWriter:
             for r in range(size):
                 self._meta(r, "process_name", {"name": f"rank {r}"})
                 self._meta(r, "process_sort_index", {"sort_index": r})
+            self.metadata(0, rank_metadata())
             self._meta(size, "process_name", {"name": "coordinator (negotiation, rank 0)"})
             self._meta(size, "process_sort_index", {"sort_index": size})
             self._instant(0, 0, "CLOCK_SYNC", self._t0, {"offset_us": 0.0, "rtt_us": 0.0})
@@ -243,6 +254,17 @@ class TraceWriter:
             offset = clock.offset if clock is not None else 0.0
             for record in records:
                 self._record(rank, record, offset)
+            self._flush()
+
+    def metadata(self, rank: int, meta: dict[str, Any]) -> None:
+        """Rank ``rank``'s metadata (:func:`rank_metadata`): ``ringflow`` metadata events on its
+        track, and its thread count among the track's labels."""
+        with self._cond:
+            threads = meta.get("threads")
+            if threads:
+                n = threads["threads"]
+                self._meta(rank, "process_labels", {"labels": f"{n} thread{'s' * (n != 1)}"})
+            self._meta(rank, "ringflow", meta)
             self._flush()
 
     def arrived(self, src: int, keys: Sequence[tuple[Key, str]]) -> None:
@@ -279,6 +301,8 @@ class TraceWriter:
                 else:
                     self.finished.discard(src)
                 self._cond.notify_all()
+            if msg.meta:
+                self.metadata(src, msg.meta)
             if msg.records:
                 self.records(src, msg.records)
 

@@ -71,7 +71,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from .errors import ConfigError
 
 __all__ = ["DETECTORS", "WORLD_SIZE_VARIABLES", "RankInfo", "auto_binding", "bind_to_cores",
-           "cpu_share", "detect", "explicit", "place"]
+           "cpu_share", "detect", "explicit", "place", "why_not_bound"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,16 +395,22 @@ def auto_binding(info: RankInfo) -> str:
     :func:`cpu_share`: only on Linux, with several ranks on this host, each of which gets at
     least one CPU of its own, and only when nothing has placed this process yet (its affinity is
     every online CPU: no ``taskset``, cpuset, Slurm binding or ``mpirun --bind-to``)."""
+    return why_not_bound(info.local_size)
+
+
+def why_not_bound(local_size: int) -> str:
+    """:func:`auto_binding` for a process of a host with ``local_size`` ranks (a launcher asks it
+    before the worker starts: the worker inherits its affinity)."""
     if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
         return "no sched_setaffinity on this platform"
-    if info.local_size < 2:
+    if local_size < 2:
         return "the only rank on its host"
     mine = os.sched_getaffinity(0)
     online = os.cpu_count() or len(mine)
     if len(mine) < online:
         return f"already placed on {len(mine)} of the {online} CPUs"
-    if info.local_size > len(mine):
-        return f"{info.local_size} ranks on this host share its {len(mine)} CPUs"
+    if local_size > len(mine):
+        return f"{local_size} ranks on this host share its {len(mine)} CPUs"
     return ""
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..ops import check_dtype, scale_into
+from .casts import cast_into
 
 __all__ = ["HOST", "HostNamespace"]
 
@@ -37,7 +38,9 @@ class HostNamespace:
         return a.reshape(-1)
 
     def copy(self, dst: np.ndarray, src: np.ndarray, prescale: float = 1.0) -> None:
-        if prescale != 1.0:
+        if dst.dtype != src.dtype:  # compression and decompression: a framework's kernel
+            cast_into(dst, src, prescale)
+        elif prescale != 1.0:
             scale_into(src, prescale, dst)
         else:
             np.copyto(dst, src, casting="unsafe")

@@ -19,9 +19,12 @@ Each worker
     * gets ``os.environ`` (or ``base_env``) plus ``RINGFLOW_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE,
       _CROSS_RANK, _CROSS_SIZE, _HOSTNAME, _RENDEZVOUS_ADDR, _RENDEZVOUS_PORT, _JOB_ID,
       _LAUNCHER_PID``, ``GLIBC_TUNABLES`` with :data:`MEMCPY_TUNABLE` added (unless that tunable
-      is set already), and ``RINGFLOW_SECRET_FD``: the number of an inherited pipe from which it
-      reads the secret as hex text and a newline (``RINGFLOW_LAUNCHER_PID`` is its parent's pid:
-      its supervisor's). The secret is never in an argv, an environment value, or a log line;
+      is set already), a worker on this host the thread counts of :mod:`ringflow.threads`
+      (``OMP_NUM_THREADS``, ... and ``RINGFLOW_THREADS``; a remote worker gets them from its
+      bootstrap, decided on its host), and ``RINGFLOW_SECRET_FD``: the number of an inherited
+      pipe from which it reads the secret as hex text and a newline (``RINGFLOW_LAUNCHER_PID``
+      is its parent's pid: its supervisor's). The secret is never in an argv, an environment
+      value, or a log line;
     * also gets torchrun's variables (:data:`TORCHRUN_ENV`): ``RANK, LOCAL_RANK, WORLD_SIZE,
       LOCAL_WORLD_SIZE``, ``GROUP_RANK, GROUP_WORLD_SIZE`` (its host's index and the number of
       hosts, as torchrun's node rank and node count), ``ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME``
@@ -189,6 +192,21 @@ def worker_environ(
     return env
 
 
+def _thread_defaults(env: Mapping[str, str], spec: WorkerSpec, told: set[str]) -> dict[str, str]:
+    """The thread variables of a worker on this host (:mod:`ringflow.threads`); the first worker
+    of a host says what they are (INFO: ``--verbose``) and whether the user's oversubscribe."""
+    from .. import threads
+
+    plan = threads.for_launcher(env, spec.local_rank, spec.local_size,
+                                env.get("RINGFLOW_BIND_TO") or "none")
+    if spec.host not in told:
+        told.add(spec.host)
+        log.info("threads on %s: %s", spec.host, plan.describe())
+        if plan.note:
+            log.warning("%s", plan.note)
+    return plan.environ()
+
+
 def reserve_port() -> socket.socket:
     """A TCP socket bound to a free port on every IPv4 address of this host, not listening.
 
@@ -279,6 +297,7 @@ class LocalJob:
         setup = _child_setup(os.getpid())
         addr, port = self._rendezvous
         files = self._open_output_files()
+        told: set[str] = set()
         try:
             for spec in self._workers:
                 argv = list(self._command(spec) if callable(self._command) else self._command)
@@ -287,6 +306,8 @@ class LocalJob:
                     spec, rendezvous_addr=addr, rendezvous_port=port, job_id=self._job_id,
                     base_env=self._base_env, master_addr=master_addr, master_port=master_port,
                 )
+                if not self._remote[self._position[spec.rank]]:  # remote: its bootstrap decides
+                    env.update(_thread_defaults(env, spec, told))
                 log.info("starting rank %d on %s: %s", spec.rank, spec.host, argv)
                 self._procs.append(self._spawn(spec, argv, env, setup))
         except BaseException:

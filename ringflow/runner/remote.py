@@ -8,13 +8,15 @@
    stdin; it is never in an argv or an environment value).
 2. With ``--bind-interface IF``, sets ``RINGFLOW_BIND_ADDR`` to *this* host's IPv4 address on
    ``IF``; ``RINGFLOW_LAUNCHER_PID`` is its own pid (the worker's parent).
-3. Supervises ``COMMAND`` exactly as a local worker's supervisor does
+3. Puts the thread counts of :mod:`ringflow.threads` in the worker's environment, decided on
+   this host (its CPUs, its cgroup), as the launcher does for its own host's workers.
+4. Supervises ``COMMAND`` exactly as a local worker's supervisor does
    (:mod:`.supervisor`): the secret on an inherited pipe named by ``RINGFLOW_SECRET_FD``, stdout
    and stderr inherited (they travel back through ssh), a child subreaper, so that nothing the
    worker starts escapes it; end-of-file on stdin (the launcher or its ssh is gone), SIGTERM,
    SIGINT or SIGHUP stop the worker and every process it started (SIGTERM, then SIGKILL after
    the grace period), and so does the worker's own exit for what it left behind.
-4. Exits with the worker's exit code, or ``128 + signal`` when a signal ended it (the launcher
+5. Exits with the worker's exit code, or ``128 + signal`` when a signal ended it (the launcher
    reads a remote status above 128 as that signal).
 """
 
@@ -53,8 +55,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:
             sys.stderr.write(f"ringflow remote bootstrap: {exc}\n")
             return 1
+    env.update(_thread_defaults(env))
     code = supervise(command, env, secret, grace=args.grace)
     return 128 - code if code < 0 else code
+
+
+def _thread_defaults(env: dict[str, str]) -> dict[str, str]:
+    """The worker's thread variables, decided on this host (:mod:`ringflow.threads`); local rank
+    0 notes on stderr where the user's counts oversubscribe the cores."""
+    from .. import threads
+
+    try:
+        local_rank, local_size = int(env["RINGFLOW_LOCAL_RANK"]), int(env["RINGFLOW_LOCAL_SIZE"])
+    except (KeyError, ValueError):
+        return {}  # not ringflow-run's contract: init() decides
+    plan = threads.for_launcher(env, local_rank, local_size, env.get("RINGFLOW_BIND_TO") or "none")
+    if plan.note and local_rank == 0:
+        sys.stderr.write(f"ringflow: note: {plan.note}\n")
+    return plan.environ()
 
 
 if __name__ == "__main__":

@@ -204,3 +204,37 @@ def test_without_network_interface_the_store_listens_on_the_routed_address(hosts
     assert sorted(proc.stdout.splitlines()) == [
         f"[{r}]:rank {r}/2: allreduce sum = 3 (expected 3); allgather rows = 3" for r in range(2)
     ]
+
+
+THREADS = """
+    import os
+    import ringflow as rf
+    rf.init()
+    print(f"rank {rf.rank()} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
+          f"MKL_NUM_THREADS={os.environ.get('MKL_NUM_THREADS')} "
+          f"marked={os.environ.get('RINGFLOW_THREADS', '').split(':')[0]}", flush=True)
+    rf.shutdown()
+"""
+
+
+@pytest.mark.parametrize("mine", [None, "3"])
+def test_each_remote_host_decides_its_thread_counts(hosts, tmp_path, mine):
+    """The remote bootstrap applies the thread rule on its host (ringflow/threads.py): 2 ranks
+    per host; the user's OMP_NUM_THREADS (forwarded) is kept and the others follow it."""
+    from ringflow import threads
+
+    script = tmp_path / "threads.py"
+    script.write_text(textwrap.dedent(THREADS))
+    extra = ["-x", f"OMP_NUM_THREADS={mine}"] if mine else []
+    env = {k: v for k, v in ENV.items() if k not in (*threads.VARIABLES, threads.MARK)}
+    proc = subprocess.run([*launcher_args(hosts, *extra), sys.executable, str(script)], env=env,
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    want = threads.for_launcher({}, 0, 2, "auto").threads  # the namespaces share these CPUs
+    count = mine or str(want)
+    lines = sorted(line for line in proc.stdout.splitlines() if "OMP_NUM_THREADS=" in line)
+    assert lines == [f"[{r}]:rank {r} OMP_NUM_THREADS={count} MKL_NUM_THREADS={count} "
+                     f"marked={want}" for r in range(4)], proc.stdout + proc.stderr
+    notes = proc.stderr.count("ringflow: note: OMP_NUM_THREADS=3 (yours) with 2 ranks")
+    oversubscribed = mine and threads.physical_cores(threads.affinity()) < 3 * 2
+    assert notes == (2 if oversubscribed else 0), proc.stderr  # local rank 0 of each host

@@ -199,6 +199,25 @@ def test_run_allreduces_on_every_rank_in_rank_order(executor_of, n: int) -> None
         assert executor.run(fresh_job_each_call) == [float(n)] * n
 
 
+def thread_plan() -> tuple[int, int, dict, dict]:
+    import torch
+
+    from ringflow import threads
+
+    ringflow.init()
+    plan = threads.current()
+    return torch.get_num_threads(), plan.threads, plan.user, plan.set
+
+
+def test_the_thread_rule_applies_at_init_in_the_actors(executor_of) -> None:
+    """The cluster's runtime_env gives the actors OMP_NUM_THREADS=1: the user's, kept, and the
+    other variables follow it (Ray's own default, set inside the actor process, is not the
+    user's: tests/unit/test_threads.py)."""
+    for torch_threads, count, user, mine in executor_of(2).run(thread_plan):
+        assert (torch_threads, count, user) == (1, 1, {"OMP_NUM_THREADS": "1"})
+        assert mine["MKL_NUM_THREADS"] == "1" and "OMP_NUM_THREADS" not in mine
+
+
 def test_execute_and_execute_single_use_the_executable(executor_of) -> None:
     executor = executor_of(2, executable_cls=Counter, executable_args=[5],
                            executable_kwargs={"step": 2})
