@@ -37,7 +37,6 @@ from .runtime import (
     cross_rank,
     cross_size,
     get_client,
-    init,
     is_initialized,
     local_rank,
     local_size,
@@ -53,6 +52,25 @@ from .single_process import single_process_scope  # Jittor's (DESIGN.md section 
 from .submission import GroupHandle, call_site, name_of, scales, submit, submit_fields, submit_group
 
 __version__ = "0.1.0"
+
+
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
+         **kwargs: Any) -> None:
+    """Join the job that started this process (:func:`ringflow.runtime.init` has the details:
+    the launchers, ``comm``, and the keyword arguments ``rank``, ``size``, ``init_method``,
+    ``local_rank``, ``local_size``, ``store``), then add ``process_sets`` (collectively, in the
+    order given; Horovod's ``hvd.init(process_sets=...)``).
+
+    Raises:
+        ConfigError: a RINGFLOW_* variable, the launcher environment or an argument is invalid,
+            or a variable says the job has several processes and none is joined.
+        PeerError / RingflowTimeoutError: the other ranks could not be reached within timeout_s.
+    """
+    from . import runtime
+
+    runtime.init(comm, **kwargs)
+    for ps in process_sets or ():
+        add_process_set(ps)
 
 _logs.install()  # ringflow's records reach stderr, with the rank, where no handler takes them
 
@@ -341,7 +359,7 @@ def isend(array: Any, dst: int, tag: int = 0) -> Handle:
         TensorError: ``dst`` is not another rank of the job, or ``tag`` is not an int.
         HorovodInternalError: the job has failed or was shut down.
     """
-    from .p2p import start_send
+    from .submission import start_send
 
     return start_send(array, dst, tag)
 
@@ -367,7 +385,7 @@ def irecv(src: int, tag: int = 0, out: np.ndarray | None = None,
             ``shape`` / ``dtype`` are not usable (or disagree with each other).
         HorovodInternalError: the job has failed or was shut down.
     """
-    from .p2p import start_recv
+    from .submission import start_recv
 
     return start_recv(src, tag, out, shape, dtype)
 

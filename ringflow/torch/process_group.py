@@ -74,9 +74,9 @@ from ..config import Config
 from ..errors import ConfigError, TensorError, UnsupportedError
 from ..negotiation import ONCE, Request
 from ..ops import ReduceOp
-from ..p2p import start_recv, start_send
 from ..process_sets import ProcessSet, add_process_set, global_process_set
 from ..rendezvous.torch_store import TorchStore, _master_of
+from ..submission import start_recv, start_send
 from ._tensors import from_numpy, prepare
 from ._work import Work, as_seconds
 
