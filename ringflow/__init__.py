@@ -51,6 +51,7 @@ from .runtime import (
 )
 from .single_process import single_process_scope  # Jittor's (DESIGN.md section 10)
 from .submission import GroupHandle, call_site, name_of, scales, submit, submit_fields, submit_group
+from .submission import joined as _count_names_afresh
 
 __version__ = "0.1.0"
 
@@ -314,8 +315,11 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 def join() -> int:
     """Stop contributing data: until every rank has joined, this rank's engine takes part in
     other ranks' allreduces with zeros (allgathers with no rows). Returns the last rank to join.
+    Unnamed operations are counted afresh after it on every rank (``submission.joined``).
     """
-    return int(running().enqueue(Request("join", "join", site=call_site(2))).wait())
+    last = int(running().enqueue(Request("join", "join", site=call_site(2))).wait())
+    _count_names_afresh()
+    return last
 
 
 def poll(handle: Handle) -> bool:

@@ -492,6 +492,23 @@ def test_join_with_uneven_steps_returns_the_last_rank(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", MULTI)
+def test_unnamed_operations_pair_up_after_a_join(n: int) -> None:
+    # Rank 0 joins at once and skips the unnamed calls the others make meanwhile; join() is
+    # where every rank counts unnamed names afresh. Counted on, rank 0's next barrier paired
+    # with the others' second one, and the job deadlocked.
+    def body(r, rf):
+        if r != 0:
+            rf.barrier()
+            got = rf.allreduce(np.full(2, r + 1.0), op=rf.Sum)
+            assert np.array_equal(got, np.full(2, tri(n) - 1.0)), got
+        rf.join()
+        rf.barrier()
+        return rf.allreduce(np.full(2, r + 1.0), op=rf.Sum).tolist()
+
+    assert run_engines(n, body, deadline=10.0) == [[float(tri(n))] * 2] * n
+
+
+@pytest.mark.parametrize("n", MULTI)
 def test_joined_ranks_take_part_in_allreduce_allgather_broadcast_and_barrier(n: int) -> None:
     def body(r, rf):
         if r == 0:
