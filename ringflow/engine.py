@@ -734,7 +734,7 @@ class Engine:
             if isinstance(item, CachedAllreduce):
                 refs = tuple(self.cache.ref[b] for b in item.bits)
                 result = item.result
-                # cached items never carry joined ranks
+                # A joined rank has no entry here: the executor gives it zeros.
                 resp = Response("allreduce", refs[0].process_set, refs, joined=())
             else:
                 resp = item

@@ -437,7 +437,10 @@ class Coordinator:
             # Only a name that has (or may get) a cache bit is ever submitted as one. Keeping
             # every name would grow without bound where names never repeat (unnamed tensors,
             # torch.distributed's numbered collectives).
-            self.known[key] = dict(slot)
+            # Merged, not replaced: a rank that joined submitted nothing, and it keeps the bit
+            # of its last request (a plan of cache bits changes no rank's memory of what it
+            # sent), which it may send again once it is back.
+            self.known.setdefault(key, {}).update(slot)
         if entry.rooted:
             first = slot[first.root]  # validated: a member, and every member names it
         if entry.shape == "rows":

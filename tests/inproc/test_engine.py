@@ -491,6 +491,46 @@ def test_join_with_uneven_steps_returns_the_last_rank(n: int) -> None:
     assert run_engines(n, body, deadline=DEADLINE) == [n - 1] * n
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_join_every_rank_first_with_cached_and_new_names(n: int) -> None:
+    # Horovod's test_horovod_join_allreduce, for every joinable collective: each rank joins
+    # first in turn while the others run them, under names every rank negotiated before (their
+    # requests travel as cache bits, the small allreduce with its data) and under new names.
+    # A plan of cache bits while a rank had joined used to make rank 0 forget that rank's
+    # request, and the rank's next bit for the name ended the job ("internal error in the
+    # engine: KeyError(0)").
+    def ops(r: int, rf: Any, prefix: str, first: int | None) -> None:
+        others = tri(n) - (0 if first is None else first + 1)  # a joined rank adds zeros
+        root = 0 if first is None else (first + 1) % n  # a root that has not joined
+        got = rf.allreduce(np.full(5, r + 1, np.int32), name=f"{prefix}.small", op=rf.Sum)
+        assert np.array_equal(got, np.full(5, others)), (prefix, first, got)
+        got = rf.allreduce(np.full(BIG, r + 1.0), name=f"{prefix}.big", op=rf.Average)
+        assert np.allclose(got, others / n), (prefix, first, got[:3])  # still over n ranks
+        got = rf.allgather(np.full((r + 1, 2), r), name=f"{prefix}.gather")
+        want = np.concatenate([np.full((q + 1, 2), q) for q in range(n) if q != first])
+        assert np.array_equal(got, want), (prefix, first, got)
+        got = rf.broadcast(np.full(3, r), root, name=f"{prefix}.bcast.{root}")
+        assert np.array_equal(got, np.full(3, root)), (prefix, first, got)
+        rf.barrier()
+
+    def body(r, rf):
+        lasts = []
+        for first in range(n):
+            for warm in (False, True):
+                if warm:  # every rank takes part: the next submissions are cache bits
+                    ops(r, rf, "cached", None)
+                if r != first:
+                    ops(r, rf, "cached", first)
+                    ops(r, rf, f"new.{first}.{warm}", first)
+                lasts.append(rf.join())
+        return lasts
+
+    results = run_engines(n, body, deadline=DEADLINE)
+    # join() returns the last rank to join: the same on every rank, never the first one.
+    for i, lasts in enumerate(zip(*results, strict=True)):
+        assert len(set(lasts)) == 1 and (n == 1 or lasts[0] != i // 2), (i, lasts)
+
+
 @pytest.mark.parametrize("n", MULTI)
 def test_unnamed_operations_pair_up_after_a_join(n: int) -> None:
     # Rank 0 joins at once and skips the unnamed calls the others make meanwhile; join() is
