@@ -198,14 +198,21 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, name: str |
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Send ``splits[d]`` rows to rank ``d``; the result is (rows received, splits received).
 
-    Without ``splits`` the first dimension is divided as evenly as possible, lower ranks first.
+    Without ``splits`` every rank gets an equal share of the rows; a first dimension that is not
+    a multiple of the set's size fails the operation on every rank (Horovod's rule).
     """
     n = process_set.size()
     rows = int(np.shape(tensor)[0]) if np.ndim(tensor) else 0
+    error = ""
     if splits is None:
-        splits = [rows // n + (1 if d < rows % n else 0) for d in range(n)]
-    return submit("alltoall", tensor, name, process_set,
-                   splits=tuple(int(s) for s in np.asarray(splits).reshape(-1)))
+        name = name_of("alltoall", name, set_id(process_set))
+        if rows % n:
+            error = (f"alltoall of {name!r}: splits not provided, but the first dimension of "
+                     f"the tensor ({rows}) is not an even multiple of the number of ranks ({n}) "
+                     "of the process set; pass splits= (rows per rank) to send unequal parts")
+        splits = [rows // n] * n
+    return submit("alltoall", tensor, name, process_set, error=error,
+                  splits=tuple(int(s) for s in np.asarray(splits).reshape(-1)))
 
 
 def alltoall(tensor: Any, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:

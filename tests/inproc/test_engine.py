@@ -367,6 +367,13 @@ def test_a_local_validation_failure_reaches_every_rank_and_the_next_op_works(n: 
         out["splits"] = failure(rf.alltoall, np.ones((3, 2)), splits=[4] + [0] * (n - 1),
                                 name="l.splits")
         out["rows"] = failure(rf.reducescatter, np.float32(1.0), name="l.rows")
+        out["grouped rows"] = failure(rf.grouped_reducescatter, [np.ones((n, 2)), np.float32(1)],
+                                      name="l.grows")
+        if n > 1:  # without splits the rows must divide evenly among the ranks (Horovod's rule)
+            out["even"] = failure(rf.alltoall, np.ones((n + 1, 2)), name="l.even")
+        rows, splits = rf.alltoall(np.full((2 * n, 1), r), name="l.even.ok")
+        assert np.array_equal(rows, np.repeat(np.arange(n), 2)[:, None]), rows
+        assert list(splits) == [2] * n, splits
         got = rf.allreduce(np.full(4, r + 1.0), name="l.after3", op=rf.Sum)
         assert np.array_equal(got, np.full(4, float(tri(n)))), got
         return out
@@ -379,7 +386,12 @@ def test_a_local_validation_failure_reaches_every_rank_and_the_next_op_works(n: 
         "root": f"rank 0: broadcast of 'l.root': root rank {n} is outside 0..{n - 1}",
         "splits": f"rank 0: alltoall of 'l.splits': splits [4{', 0' * (n - 1)}] must be {n}",
         "rows": "rank 0: reducescatter of 'l.rows' splits the first dimension and needs at least",
+        "grouped rows": "rank 0: reducescatter of 'l.grows.1' splits the first dimension",
+        "even": (f"rank 0: alltoall of 'l.even': splits not provided, but the first dimension "
+                 f"of the tensor ({n + 1}) is not an even multiple of the number of ranks ({n})"),
     }
+    if n == 1:
+        del expected["even"]
     for key, fragment in expected.items():
         kind, text = one_error(results, key)
         assert kind == "TensorError" and fragment in text, (key, kind, text)
