@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import lifeline as _lifeline
 from . import logs as _logs
 from . import metrics as metrics  # ringflow.metrics.Accuracy after a plain `import ringflow`
 from .compression import Compression, Compressor
@@ -56,6 +57,7 @@ from .submission import joined as _count_names_afresh
 __version__ = "0.1.0"
 
 _logs.install()  # ringflow's records reach stderr, with the rank, where no handler takes them
+_lifeline.watch()  # a worker of ringflow-run leaves when its supervisor is gone
 
 __all__ = [
     "Adasum",
