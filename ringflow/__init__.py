@@ -323,7 +323,8 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 def join() -> int:
     """Stop contributing data: until every rank has joined, this rank's engine takes part in
-    other ranks' allreduces with zeros (allgathers with no rows). Returns the last rank to join.
+    other ranks' allreduces with zeros (their other collectives but barrier fail, as in
+    Horovod). Returns the last rank to join.
     Unnamed operations are counted afresh after it on every rank (``submission.joined``).
     """
     last = int(running().enqueue(Request("join", "join", site=call_site(2))).wait())
