@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import lifeline as _lifeline
 from . import logs as _logs
 from . import metrics as metrics  # ringflow.metrics.Accuracy after a plain `import ringflow`
 from .compression import Compression, Compressor
@@ -50,6 +51,7 @@ from .runtime import (
 )
 from .single_process import single_process_scope  # Jittor's (DESIGN.md section 10)
 from .submission import GroupHandle, call_site, name_of, scales, submit, submit_fields, submit_group
+from .submission import joined as _count_names_afresh
 
 __version__ = "0.1.0"
 
@@ -73,6 +75,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
         add_process_set(ps)
 
 _logs.install()  # ringflow's records reach stderr, with the rank, where no handler takes them
+_lifeline.watch()  # a worker of ringflow-run leaves when its supervisor is gone
 
 __all__ = [
     "Adasum",
@@ -215,14 +218,21 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, name: str |
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Send ``splits[d]`` rows to rank ``d``; the result is (rows received, splits received).
 
-    Without ``splits`` the first dimension is divided as evenly as possible, lower ranks first.
+    Without ``splits`` every rank gets an equal share of the rows; a first dimension that is not
+    a multiple of the set's size fails the operation on every rank (Horovod's rule).
     """
     n = process_set.size()
     rows = int(np.shape(tensor)[0]) if np.ndim(tensor) else 0
+    error = ""
     if splits is None:
-        splits = [rows // n + (1 if d < rows % n else 0) for d in range(n)]
-    return submit("alltoall", tensor, name, process_set,
-                   splits=tuple(int(s) for s in np.asarray(splits).reshape(-1)))
+        name = name_of("alltoall", name, set_id(process_set))
+        if rows % n:
+            error = (f"alltoall of {name!r}: splits not provided, but the first dimension of "
+                     f"the tensor ({rows}) is not an even multiple of the number of ranks ({n}) "
+                     "of the process set; pass splits= (rows per rank) to send unequal parts")
+        splits = [rows // n] * n
+    return submit("alltoall", tensor, name, process_set, error=error,
+                  splits=tuple(int(s) for s in np.asarray(splits).reshape(-1)))
 
 
 def alltoall(tensor: Any, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -331,9 +341,13 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 def join() -> int:
     """Stop contributing data: until every rank has joined, this rank's engine takes part in
-    other ranks' allreduces with zeros (allgathers with no rows). Returns the last rank to join.
+    other ranks' allreduces with zeros (their other collectives but barrier fail, as in
+    Horovod). Returns the last rank to join.
+    Unnamed operations are counted afresh after it on every rank (``submission.joined``).
     """
-    return int(running().enqueue(Request("join", "join", site=call_site(2))).wait())
+    last = int(running().enqueue(Request("join", "join", site=call_site(2))).wait())
+    _count_names_afresh()
+    return last
 
 
 def poll(handle: Handle) -> bool:

@@ -7,8 +7,8 @@ Every request names a *kind*; :data:`COLLECTIVES` says for each:
 - ``shape``: how shapes must agree: ``"full"``, ``"rows"`` (all but the first dimension:
   concatenations and splits along it), or ``"any"`` (not compared);
 - ``cacheable``: a negotiated request may be replaced by its response-cache bit next time;
-- ``joinable``: it proceeds while some members have joined (they take part with zeros, no rows,
-  or as relays);
+- ``joinable``: it proceeds while some members have joined (they take part with zeros); the
+  others fail on every member then, as in Horovod 0.28 (allgather and broadcast included);
 - ``fusable``: ready requests of this kind (same set, dtype, op, scales, device) become one item;
 - ``data``: it moves data on the data plane (the executor must run it: checked at import of
   :mod:`ringflow.executor`); otherwise the plan item alone completes it;
@@ -100,8 +100,8 @@ def _splits(arr: np.ndarray, name: str, members: Sequence[int], f: Mapping[str, 
 COLLECTIVES: dict[str, Collective] = {c.kind: c for c in (
     Collective("allreduce", cacheable=True, joinable=True, fusable=True,
                checks=(_no_bool_scaling, _adasum_float)),
-    Collective("allgather", shape="rows", cacheable=True, joinable=True, fusable=True),
-    Collective("broadcast", cacheable=True, joinable=True, rooted=True),
+    Collective("allgather", shape="rows", cacheable=True, fusable=True),
+    Collective("broadcast", cacheable=True, rooted=True),
     Collective("alltoall", shape="rows", checks=(_has_rows("alltoall"), _splits)),
     Collective("reducescatter", cacheable=True,
                checks=(_no_bool_scaling, _no_adasum("reducescatter"), _has_rows("reducescatter"))),

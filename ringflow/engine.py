@@ -123,6 +123,12 @@ class Engine:
             if rank == 0 else None
         )
         self._early_submits: list[tuple[int, Submit]] = []  # before this rank took over
+        # The coordinator stream (messages.py): the seq of the next plan or handover to take
+        # in, those that arrived ahead of it, and the goodbyes this rank saw while it did not
+        # coordinate (a successor may hear of them before the departing coordinator did).
+        self._stream = 0
+        self._early_stream: dict[int, Plan | Handover] = {}
+        self._departed: dict[int, str] = {}
         # collectives: plan items completed (fused tensors count once); eager: those of them that
         # rank 0 reduced itself (see negotiation.EAGER_BYTES).
         # lane: of them, those that took the same-host lane (ringflow.lane).
@@ -344,7 +350,9 @@ class Engine:
         gone = {**c.gone, self.rank: "it called shutdown()"}
         successor = next((r for r in range(self.size) if r not in gone), None)
         if successor is not None:
-            self._broadcast(Handover(successor, gone, list(c.joined), c.next_set_id))
+            with self._control():
+                seq = self._stream
+            self._broadcast(Handover(successor, gone, list(c.joined), c.next_set_id, seq))
 
     def timeline(self, path: str | None) -> None:
         """Start recording the job's timeline (rank 0 writes it to ``path``), or stop with None.
@@ -390,10 +398,8 @@ class Engine:
             with self._control():
                 if self._closed:
                     return
-                if isinstance(msg, Plan):
-                    self._receive(msg.items)
-                elif isinstance(msg, Handover):
-                    self._take_over(msg)
+                if isinstance(msg, (Plan, Handover)):
+                    self._in_stream(msg)
                 elif self.coordinator is not None:
                     if fault.ARMED:
                         fault.hit("negotiate")
@@ -406,9 +412,28 @@ class Engine:
         except Exception as exc:  # not this thread's to handle: the engine thread fails the job
             self._inbox.put((Wake.ERROR, exc))
 
+    def _in_stream(self, msg: Plan | Handover) -> None:
+        """Take in the coordinator stream in order (under the lock): ``msg``, then whatever
+        arrived early and follows it."""
+        if msg.seq != self._stream:
+            self._early_stream[msg.seq] = msg
+            return
+        while True:
+            self._stream += 1
+            if isinstance(msg, Plan):
+                self._receive(msg.items)
+            else:
+                self._take_over(msg)
+            if not self._early_stream:
+                return
+            msg = self._early_stream.pop(self._stream, None)
+            if msg is None:
+                return
+
     def _take_over(self, msg: Handover) -> None:
-        """The coordinator left cleanly (under the lock, in plan order): follow its successor,
-        and submit again in full what it never planned (the successor knows none of it)."""
+        """The coordinator left cleanly (under the lock, after its last plan): follow its
+        successor, and submit again in full what it never planned (the successor knows none of
+        it)."""
         self.coord = msg.successor
         self._liveness.follow(msg.successor, msg.gone)
         self.cache.mine.clear()  # the successor cannot decode other ranks' bits: full requests
@@ -418,7 +443,8 @@ class Engine:
                 self._send(msg.successor, Submit(pending, [], []))
             return
         c = Coordinator(self.size, self._members, self.config.fusion_threshold_bytes, self.cache)
-        c.gone, c.joined, c.next_set_id = dict(msg.gone), list(msg.joined), msg.next_set_id
+        c.gone = {**self._departed, **msg.gone}
+        c.joined, c.next_set_id = list(msg.joined), msg.next_set_id
         self.coordinator = c
         c.submit(self.rank, pending, [], [])
         early, self._early_submits = self._early_submits, []
@@ -559,7 +585,9 @@ class Engine:
         if plan:
             if self._timeline is not None:
                 self._timeline.negotiated(plan, self.cache)
-            self._broadcast(Plan(plan))
+            seq = self._stream
+            self._stream += 1
+            self._broadcast(Plan(plan, seq))
             self._receive(plan)
         elif self.coordinator.holding and not holding:
             self._inbox.put((Wake.TICK,))  # the engine thread plans them when the window closes
@@ -583,6 +611,8 @@ class Engine:
                 self._plan()
             elif peer == self.coord:
                 self._close(ShutdownError(f"rank {peer} (the coordinator) has shut down"))
+            else:
+                self._departed[peer] = "it called shutdown()"
             return
         self._note_failure(error)
 
@@ -734,7 +764,7 @@ class Engine:
             if isinstance(item, CachedAllreduce):
                 refs = tuple(self.cache.ref[b] for b in item.bits)
                 result = item.result
-                # cached items never carry joined ranks
+                # A joined rank has no entry here: the executor gives it zeros.
                 resp = Response("allreduce", refs[0].process_set, refs, joined=())
             else:
                 resp = item

@@ -18,6 +18,12 @@ any frame is read; :func:`decode` accepts only the classes below. Rank 0 is the 
                                                       others go on: ``successor`` coordinates
                                                       from now on (sent after its last plan)
 
+Plans and handovers form the job's one *coordinator stream*: each carries its position in it
+(``seq``, counted from 0 across coordinators), and every rank takes them in in that order,
+keeping any that arrives early. Messages of one sender arrive in order, but those of successive
+coordinators come over different connections: a handover from rank 1 (or rank 1's first plan)
+can reach rank 2 before rank 0's last plan, which rank 2 must take in first.
+
 The timeline (:mod:`ringflow.timeline`), handled on the receiver's transport thread without
 the engine's lock, and only while a timeline is recorded::
 
@@ -67,6 +73,7 @@ class Submit:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     items: list[Any]  # negotiation.Response | negotiation.CachedAllreduce
+    seq: int  # its place in the coordinator stream (see the module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +111,7 @@ class Handover:
     gone: dict[int, str]  # ranks that left, and why (the departing coordinator among them)
     joined: list[int]  # ranks that called join() and wait for the others
     next_set_id: int
+    seq: int  # its place in the coordinator stream: after every plan of the departing one
 
 
 # the timeline ------------------------------------------------------------------------------------

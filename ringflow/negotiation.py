@@ -9,7 +9,7 @@ Protocol (rank 0 of the job is the coordinator for every process set)::
   root, scale factors, compression, device, group). A rank whose tensor failed local validation
   still submits it, with ``error`` set, so that every rank learns of the failure.
 * A name is *ready* when every member of its process set has submitted it; ranks that called
-  ``join()`` count as submitted (they contribute zeros to allreduce, no rows to allgather).
+  ``join()`` count as submitted (they contribute zeros to allreduce; other kinds fail).
   A grouped name waits until every name of its group is ready.
 * When a name is ready its requests are validated against each other; any disagreement becomes an
   error response naming the tensor, the field and each rank's value, delivered to every rank.
@@ -117,7 +117,7 @@ class Response:
     process_set: int
     requests: tuple[Request, ...]  # one reference request per tensor, in fusion order
     first_dims: tuple[tuple[int, ...], ...] = ()  # allgather: [tensor][member] first dimension
-    joined: tuple[int, ...] = ()  # global ranks that contribute zeros / no rows
+    joined: tuple[int, ...] = ()  # global ranks that contribute zeros
     error: str = ""
     error_type: str = ""  # a class name from ringflow.errors
     value: int = -1  # join: the last rank to join; add_process_set: the new id
@@ -421,15 +421,9 @@ class Coordinator:
             joinable = sorted(k for k, c in COLLECTIVES.items() if c.joinable)
             return _error(
                 first,
-                f"ranks {list(joined)} have joined, so they cannot take part in {first.kind} "
-                f"{first.name!r}; only {', '.join(joinable)} proceed past join()",
-                "TensorError",
-            )
-        if entry.rooted and first.root in joined:
-            return _error(
-                first,
-                f"{first.kind} of {first.name!r}: root rank {first.root} has joined, so it has "
-                f"no tensor to send; use a root that has not called join()",
+                f"{first.kind.capitalize()} is not supported with Join at this time (Horovod's "
+                f"text): ranks {list(joined)} have joined, so they cannot take part in "
+                f"{first.kind} {first.name!r}; only {', '.join(joinable)} proceed past join()",
                 "TensorError",
             )
         if entry.cacheable and not key[1].startswith(ONCE) and (
@@ -437,7 +431,10 @@ class Coordinator:
             # Only a name that has (or may get) a cache bit is ever submitted as one. Keeping
             # every name would grow without bound where names never repeat (unnamed tensors,
             # torch.distributed's numbered collectives).
-            self.known[key] = dict(slot)
+            # Merged, not replaced: a rank that joined submitted nothing, and it keeps the bit
+            # of its last request (a plan of cache bits changes no rank's memory of what it
+            # sent), which it may send again once it is back.
+            self.known.setdefault(key, {}).update(slot)
         if entry.rooted:
             first = slot[first.root]  # validated: a member, and every member names it
         if entry.shape == "rows":

@@ -39,13 +39,25 @@ from .p2p import P2PHandle, describe_tag
 from .process_sets import ProcessSet, set_id
 from .runtime import rank, running, size
 
-__all__ = ["GroupHandle", "call_site", "check_peer", "check_tag", "name_of",
+__all__ = ["GroupHandle", "call_site", "check_peer", "check_tag", "joined", "name_of",
            "scales", "start_recv", "start_send", "submit",
            "submit_group"]
 
 # engine -> "kind/process set" -> call counter
 _counters: weakref.WeakKeyDictionary[Any, dict[str, itertools.count]] = (
     weakref.WeakKeyDictionary())
+
+
+def joined() -> None:
+    """``join()`` returned: this rank's unnamed tensors are counted from 0 again.
+
+    Every rank leaves ``join()`` at the same point of the job, but a rank that joined early
+    skipped the unnamed calls the others made meanwhile: counted on, its next barrier or
+    unnamed allreduce would pair with another call on the others (a deadlock, or a mismatch).
+    Every operation submitted before the join has been planned once it returns, so the names
+    are free again (and a loop that joins at the end of each epoch keeps its names cached).
+    """
+    _counters.pop(running(), None)
 
 
 def name_of(kind: str, name: str | None, ps: int) -> str:

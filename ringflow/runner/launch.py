@@ -159,7 +159,7 @@ def worker_environ(
     otherwise those of ``base_env`` are removed, since they would name another job's master.
     """
     env = dict(os.environ if base_env is None else base_env)
-    for stale in ("RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE"):
+    for stale in ("RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE", "RINGFLOW_LIFELINE"):
         env.pop(stale, None)
     env.update({
         "RINGFLOW_RANK": str(spec.rank),

@@ -55,8 +55,10 @@ FORWARDED = frozenset({
 })
 #: Prefixes of variables copied likewise (ringflow's own knobs, locale, NCCL tuning).
 FORWARDED_PREFIXES = ("RINGFLOW_", "LC_", "NCCL_")
-#: Never forwarded: the secret's carriers, which are per process and host.
-_NEVER = frozenset({"RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE", "RINGFLOW_LAUNCHER_PID"})
+#: Never forwarded: the secret's carriers and the supervisor's lifeline, which are per process
+#: and host.
+_NEVER = frozenset({"RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE", "RINGFLOW_LAUNCHER_PID",
+                    "RINGFLOW_LIFELINE"})
 
 
 @dataclasses.dataclass(frozen=True)
