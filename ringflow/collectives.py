@@ -31,7 +31,13 @@ import numpy as np
 from .errors import TensorError
 from .ops import ReduceOp
 
-__all__ = ["COLLECTIVES", "Collective", "collective", "local_error"]
+__all__ = ["COLLECTIVES", "EAGER_BYTES", "Collective", "collective", "local_error"]
+
+#: Largest allreduce (per tensor, and per fused plan item) that travels to the coordinator with
+#: its cache bit and comes back reduced in the plan (ringflow.negotiation), and that the
+#: same-host lane's slots hold (ringflow.lane, its segment in ringflow.algorithms.shm). See
+#: benchmarks/engine_latency.py.
+EAGER_BYTES = 64 * 1024
 
 #: Fields compared across ranks for every kind (fields a kind does not use keep their defaults,
 #: which are then equal anyway).

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from .algorithms.local import reduce_parts
-from .collectives import COLLECTIVES, collective
+from .collectives import COLLECTIVES, EAGER_BYTES, collective
 from .compression import Compression
 from .ops import DTYPES, ReduceOp
 
@@ -57,9 +57,6 @@ Key = tuple[int, str]  # (process set id, tensor name)
 #: never reassigned and such a name would hold one for good.
 ONCE = "once:"
 
-#: Largest allreduce (per tensor, and per fused plan item) that travels to the coordinator with
-#: its cache bit and comes back reduced in the plan. See benchmarks/engine_latency.py.
-EAGER_BYTES = 64 * 1024
 
 
 @functools.cache
