@@ -5,11 +5,9 @@ from __future__ import annotations
 import enum
 
 from ..errors import ShutdownError
+from ..requests import Key
 
 __all__ = ["Key", "Wake", "clone"]
-
-Key = tuple[int, str]
-
 
 class Wake(enum.Enum):
     """What an item of the engine thread's inbox asks of it: ``(Wake.X, *arguments)``."""
