@@ -29,6 +29,7 @@ import tempfile
 import time
 
 import numpy as np
+import records  # this directory's (a script's first path)
 
 from ringflow.runner.launch import glibc_tunables
 from ringflow.topology import cpu_share
@@ -230,6 +231,10 @@ def main() -> None:
         everything[n] = results
         print("\n".join(report(n, sizes, results)), flush=True)
         print()
+        # figures: np, and per peer the median seconds per size in bytes (None: it failed)
+        records.append("allreduce_peers", {"np": n, "seconds": {
+            peer: None if times is None else {str(s): times[str(s)] for s in sizes}
+            for peer, times in results.items()}})
     if args.plot:
         plot(args.plot, everything, sizes)
         print(f"plot: {args.plot}")

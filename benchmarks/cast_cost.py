@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
+import records  # this directory's (a script's first path)
 
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 
@@ -126,6 +127,7 @@ def main() -> None:
     cases = _cases(args.framework, x, args.threads)
     print(f"{args.framework}, {args.mib:g} MiB float32 ({n} elements), {args.threads} thread(s), "
           f"{args.rounds} alternating rounds; ms median, ratio = median of per-round ratios")
+    figures: dict[str, dict[str, float]] = {}
     for wire, fns in cases.items():
         times: dict[str, list[float]] = {k: [] for k in fns}
         order = list(fns)
@@ -144,7 +146,11 @@ def main() -> None:
                     continue
                 ratio = statistics.median(m / o for m, o in zip(mine, own, strict=True))
                 line += f" | {who} {statistics.median(mine):7.2f} ({ratio:.2f}x)"
+                if who == "ringflow":
+                    figures.setdefault(wire.split(" ")[0], {})[step] = ratio
             print(line)
+    # figures: per wire dtype, ringflow's cast time over the framework's own (median ratio)
+    records.append("cast_cost", {"framework": args.framework, "mib": args.mib, **figures})
 
 
 if __name__ == "__main__":

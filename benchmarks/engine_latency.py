@@ -26,6 +26,7 @@ import tempfile
 import time
 
 import numpy as np
+import records  # this directory's (a script's first path)
 
 KIB4 = 1024  # float32 elements in 4 KiB
 
@@ -91,6 +92,7 @@ def main() -> None:
           f"{args.rounds} jobs per row, alternating; medians of the jobs' figures")
     print(f"{'ranks':<6}{'lane':<6}{'4 KiB allreduce us: p50':>24}{'p10':>8}{'p90':>8}"
           f"{f'step of {args.tensors} x 4 KiB ms':>30}{'ops on the lane':>17}")
+    figures: dict[str, dict] = {}
     for n in args.np:
         rows: dict[bool, list] = {True: [], False: []}
         for _ in range(args.rounds):
@@ -107,6 +109,12 @@ def main() -> None:
                   f"{m[3]:>30.1f}{m[4]:>16.0%}")
         print(f"{n:<6}ratio off/on: 4 KiB p50 {med[False][0] / med[True][0]:.2f}x, "
               f"step {med[False][3] / med[True][3]:.2f}x")
+        figures[str(n)] = {("on" if lane else "off"): {
+            "p50_us": float(med[lane][0]), "p10_us": float(med[lane][1]),
+            "p90_us": float(med[lane][2]), "step_ms": float(med[lane][3])}
+            for lane in (True, False)}
+    # figures: per world size, the lane on and off: 4 KiB p50/p10/p90 and the step's time
+    records.append("engine_latency", {"ranks": figures, "rounds": args.rounds})
 
 
 if __name__ == "__main__":

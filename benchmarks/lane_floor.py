@@ -30,6 +30,7 @@ import time
 
 import engine_latency  # this directory's (a script's first path)
 import numpy as np
+import records
 
 LINE, SLOT = 64, 4096  # a header line and 4 KiB of data per rank
 _STATE, _BIT, _GEN, _READ = range(4)
@@ -128,6 +129,7 @@ def main() -> None:
     print(f"4 KiB float32 allreduce, p50 us on rank 0, {os.cpu_count()} CPUs; medians of "
           f"{args.rounds} alternating jobs")
     print(f"{'ranks':<7}{'floor':>8}{'spin':>8}{'ringflow':>10}{'ringflow / floor':>18}")
+    figures: dict[str, dict[str, float]] = {}
     for n in args.np:
         runs: dict[str, list[float]] = {"floor": [], "spin": [], "ringflow": []}
         for _ in range(args.rounds):
@@ -137,6 +139,9 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in runs.items()}
         print(f"{n:<7}{med['floor']:>8.1f}{med['spin']:>8.1f}{med['ringflow']:>10.1f}"
               f"{med['ringflow'] / med['floor']:>17.1f}x")
+        figures[str(n)] = {f"{k}_us": float(v) for k, v in med.items()}
+    # figures: per world size, the p50 us of the floor (with and without the lock) and ringflow's
+    records.append("lane_floor", {"ranks": figures, "rounds": args.rounds})
 
 
 if __name__ == "__main__":

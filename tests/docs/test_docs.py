@@ -297,3 +297,16 @@ def test_a_block_runs_inside_a_virtual_environment(tmp_path: Path) -> None:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert run.expect is not None and run.expect in output, output
+
+
+def test_figures_come_from_the_records() -> None:
+    """The README's performance table and the benchmarks page's are what benchmarks/report.py
+    renders from benchmarks/records.jsonl (issue 29: one source for every figure there)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import report
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    stale = report.update(check=True)
+    assert not stale, (f"{[str(p) for p in stale]} differ from the records: run "
+                       "python benchmarks/report.py")

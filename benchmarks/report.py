@@ -1,0 +1,177 @@
+"""The README's performance table and the benchmarks page's, rendered from the records.
+
+    python benchmarks/report.py            # rewrite both from benchmarks/records.jsonl
+    python benchmarks/report.py --check    # exit 1 if either differs (tests/docs runs this)
+
+Each row of :data:`ROWS` names the benchmark whose latest record (:mod:`records`) gives its
+figure and how to put it in words; a row whose benchmark has no record is left out. The table
+goes between the ``<!-- figures: ... -->`` markers of README.md and docs/benchmarks/index.md;
+everything else in those pages is prose, which quotes no figure the table holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import records
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = (ROOT / "README.md", ROOT / "docs" / "benchmarks" / "index.md")
+BEGIN = "<!-- figures: rendered by benchmarks/report.py from benchmarks/records.jsonl -->"
+END = "<!-- figures: end -->"
+MIB64, KIB4, KIB64 = str(64 << 20), str(4 << 10), str(64 << 10)
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    benchmark: str
+    figure: Callable[[dict[str, Any]], str]
+    match: tuple[tuple[str, Any], ...] = ()
+
+
+def _x(a: float, b: float) -> str:
+    return f"{a / b:.2f}x"
+
+
+def _peers_large(f: dict[str, Any]) -> str:
+    s = f["seconds"]
+    rf = s["ringflow"][MIB64]
+    return f"{_x(s['mpi4py'][MIB64], rf)} / {_x(s['gloo'][MIB64], rf)} faster"
+
+
+def _peers_small(f: dict[str, Any]) -> str:
+    s = f["seconds"]
+    rf, mpi = s["ringflow"], s["mpi4py"]
+    return (f"{_x(mpi[KIB4], rf[KIB4])} / {_x(mpi[KIB64], rf[KIB64])} (ringflow "
+            f"{rf[KIB4] * 1e3:.3f} / {rf[KIB64] * 1e3:.3f} ms against "
+            f"{mpi[KIB4] * 1e3:.3f} / {mpi[KIB64] * 1e3:.3f})")
+
+
+def _lane(f: dict[str, Any]) -> str:
+    ranks = sorted(f["ranks"], key=int)
+    r = f["ranks"]
+    ratios = " / ".join(_x(r[n]["off"]["p50_us"], r[n]["on"]["p50_us"]) for n in ranks)
+    us = " / ".join(f"{r[n]['on']['p50_us']:.0f}" for n in ranks)
+    return f"{ratios} faster ({us} us p50 at {' / '.join(ranks)} ranks)"
+
+
+def _join(values: list[float], fmt: str) -> str:
+    return " / ".join(format(v, fmt) for v in values)
+
+
+def _floor(f: dict[str, Any]) -> str:
+    ranks = sorted(f["ranks"], key=int)
+    ours = [f["ranks"][n]["ringflow_us"] for n in ranks]
+    floor = [f["ranks"][n]["floor_us"] for n in ranks]
+    ratios = _join([a / b for a, b in zip(ours, floor, strict=True)], ".1f")
+    return (f"{ratios.replace(' /', 'x /')}x slower ({_join(ours, '.0f')} us against "
+            f"{_join(floor, '.0f')}, at {' / '.join(ranks)} ranks)")
+
+
+def _hosts(f: dict[str, Any]) -> str:
+    hosts = [h for h in ("2", "4", "8") if h in f["hosts"]]
+    ours = [f["hosts"][n]["ringflow"] for n in hosts]
+    gloo = [f["hosts"][n]["gloo"] for n in hosts]
+    ratios = _join([a / b for a, b in zip(ours, gloo, strict=True)], ".2f")
+    return (f"{ratios.replace(' /', 'x /')}x at {' / '.join(hosts)} hosts ({_join(ours, '.2f')} "
+            f"of the ring bound; gloo {_join(gloo, '.2f')})")
+
+
+def _training(model: str, ours: str, theirs: str) -> Callable[[dict[str, Any]], str]:
+    def figure(f: dict[str, Any]) -> str:
+        m = f["models"][model]
+        return _x(m[ours], m[theirs])
+    return figure
+
+
+def _casts(f: dict[str, Any]) -> str:
+    c = f["float16"]
+    return (f"{c['compress']:.2f}x / {c['decompress']:.2f}x the time of torch's own cast "
+            "(compress / decompress)")
+
+
+ROWS = (
+    Row("64 MiB allreduce, 2 ranks, ringflow vs mpi4py + Open MPI / vs gloo "
+        "(`benchmarks/allreduce_peers.py --np 2`)", "allreduce_peers", _peers_large,
+        (("np", 2),)),
+    Row("4 KiB / 64 KiB allreduce, the same run, vs mpi4py", "allreduce_peers", _peers_small,
+        (("np", 2),)),
+    Row("4 KiB allreduce, same-host lane on vs off (`benchmarks/engine_latency.py`)",
+        "engine_latency", _lane),
+    Row("4 KiB allreduce, ringflow vs the lane's primitives alone in Python "
+        "(`benchmarks/lane_floor.py`)", "lane_floor", _floor),
+    Row("64 MiB allreduce over namespace hosts at 1 Gbit/s, ringflow vs gloo "
+        "(`sudo python benchmarks/multihost.py`)", "multihost", _hosts),
+    Row("MLP (25 M params), ringflow's DistributedOptimizer vs DDP on gloo "
+        "(`benchmarks/torch_ddp_vs_ringflow.py`)", "torch_ddp_vs_ringflow",
+        _training("mlp", "ringflow", "ddp")),
+    Row("small CNN (0.4 M params), the same", "torch_ddp_vs_ringflow",
+        _training("cnn", "ringflow", "ddp")),
+    Row("MLP, DDP on backend `\"ringflow\"` vs DDP on gloo (the backend's name changed)",
+        "torch_ddp_vs_ringflow", _training("mlp", "ddp_ringflow", "ddp")),
+    Row("small CNN, DDP on `\"ringflow\"` vs DDP on gloo", "torch_ddp_vs_ringflow",
+        _training("cnn", "ddp_ringflow", "ddp")),
+    Row("fp16 compression of a 100 MB torch gradient (`benchmarks/cast_cost.py`)", "cast_cost",
+        _casts, (("framework", "torch"),)),
+)
+
+
+def render(path: Path | None = None) -> str:
+    """The table, its sources (date, commit, command of each record used) under it."""
+    lines = ["| comparison | ratio |", "|---|---|"]
+    used: dict[str, dict[str, Any]] = {}
+    for row in ROWS:
+        record = records.latest(row.benchmark, path, **dict(row.match))
+        if record is None:
+            continue
+        try:
+            lines.append(f"| {row.label} | {row.figure(record['figures'])} |")
+        except (KeyError, TypeError, ZeroDivisionError):
+            continue  # a record without that figure (a partial run): the row is left out
+        used[record["command"] + record["date"]] = record
+    lines.append("")
+    lines.append("Sources (the latest record of each; history in benchmarks/RESULTS.md):")
+    for r in sorted(used.values(), key=lambda r: r["date"]):
+        lines.append(f"- `{r['command']}`, {r['date'][:16].replace('T', ' ')} UTC, commit "
+                     f"{r['commit']}, {r['machine'].split(' (')[0]}")
+    return "\n".join(lines) + "\n"
+
+
+def _region(text: str) -> tuple[int, int]:
+    start = text.index(BEGIN) + len(BEGIN) + 1
+    return start, text.index(END, start)
+
+
+def update(check: bool = False, path: Path | None = None) -> list[Path]:
+    """Write the table into every page (``check``: only say which differ); the pages that
+    differed."""
+    table = render(path)
+    stale = []
+    for page in PAGES:
+        text = page.read_text()
+        start, end = _region(text)
+        if text[start:end] != table:
+            stale.append(page)
+            if not check:
+                page.write_text(text[:start] + table + text[end:])
+    return stale
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page differs")
+    args = parser.parse_args()
+    stale = update(check=args.check)
+    for page in stale:
+        print(f"{page.relative_to(ROOT)}: {'differs' if args.check else 'rewritten'}")
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
