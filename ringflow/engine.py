@@ -160,7 +160,7 @@ class Engine:
         # accepted or planned (both set under _lock, so nothing slips in behind the final drain).
         self._refuse: BaseException | None = None
         self._closed = False
-        self._liveness = Liveness(rank, size, config.timeout_s)
+        self._liveness = Liveness(rank, size, config.timeout_s, transport.peer_host)
         self._timeline: Timeline | None = None  # set under _lock; closed outside it
         self._closing: Timeline | None = None  # the one being closed (see timeline())
         if config.timeline_path:
@@ -644,8 +644,12 @@ class Engine:
             elif self._verdict is not None:
                 error = self._verdict  # announced already
             elif self._coordinator_failure() is not None:
-                # No verdict can come: every survivor names the coordinator alike.
+                # No verdict can come: every survivor names the coordinator alike. A coordinator
+                # that was only out of reach (a partition healing, a one-way one) may still read
+                # this, before this rank's goodbye: it then fails the job with this text rather
+                # than with "rank r has shut down".
                 error = self._coordinator_failure()
+                self._send(self.coord, Abort.of(error))
             else:
                 self._send(self.coord, Abort.of(error))
                 error = self._await_verdict(error)
