@@ -108,6 +108,10 @@ def cluster(n: int = 2) -> Iterator[Cluster]:
     try:
         _ip("link", "add", tag, "type", "bridge")
         undo.append(("link", "del", tag))
+        # A bridge takes the lowest MAC address of its ports unless given one: removing a host's
+        # port (a host that vanishes) would change it, and the other hosts' ARP entries for the
+        # bridge's address (the launcher's store) would point nowhere for ~30 s.
+        _ip("link", "set", tag, "address", f"02:00:00:77:{os.getpid() % 250 + 1:02x}:fe")
         _ip("addr", "add", f"{subnet}.254/24", "dev", tag)
         _ip("link", "set", tag, "up")
         for i, (ns, addr) in enumerate(zip(namespaces, addresses, strict=True), start=1):
