@@ -302,7 +302,8 @@ def impaired(c: Cluster, hosts: tuple[int, ...], *, loss: float = 0.0, delay_ms:
       10 MiB/s. On the receiving side, because a packet held on the sender's side still counts
       against its socket (TCP small queues), which slows TCP to a crawl under a 50 ms hold.
 
-    Yields ``{host: "queued=N dropped=N"}`` filled in on exit (the queue programs' counts).
+    Yields ``{host: "lost=N lost_bytes=B queued=N dropped=N"}``, filled in on exit: what the
+    loss rule dropped, what the queue program saw.
     Removed on exit, failure included.
     """
     if IPTABLES is None:
@@ -338,12 +339,21 @@ def impaired(c: Cluster, hosts: tuple[int, ...], *, loss: float = 0.0, delay_ms:
                 rules.append((ns, rule))
         yield counts
     finally:
+        for i in hosts if loss else ():
+            listed = subprocess.run(
+                ["ip", "netns", "exec", c.namespaces[i], IPTABLES, "-t", "raw", "-vxnL",
+                 "PREROUTING"], capture_output=True, text=True, timeout=20).stdout
+            for line in listed.splitlines():
+                if "DROP" in line and "statistic" in line:
+                    pkts, size = line.split()[:2]
+                    counts[i] = f"lost={pkts} lost_bytes={size}"
         for ns, rule in reversed(rules):  # before the queue's reader goes: it drops the rest
             iptables(ns, "-D", rule, check=False)
         for i, proc in queues.items():
             proc.terminate()
             try:
-                counts[i] = proc.communicate(timeout=10)[1].strip()
+                counts[i] = " ".join(filter(None, [counts.get(i, ""),
+                                                   proc.communicate(timeout=10)[1].strip()]))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()

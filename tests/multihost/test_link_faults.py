@@ -181,7 +181,9 @@ def fails_cleanly(job: Job, fault: Callable[[], None], names: dict[int, str]) ->
     report = job.stderr[job.stderr.index("ringflow-run: rank "):]
     assert any(f"host {h}" in report for h in set(names.values())), report
     assert_no_orphans(job.c)
-    return {"ranks": [round(r["at"] - struck, 1) for r in results], "launcher": round(took, 1)}
+    timings = {"ranks": [round(r["at"] - struck, 1) for r in results], "launcher": round(took, 1)}
+    print(f"seconds after the fault: {timings}")  # the table in docs/concepts/failures.md
+    return timings
 
 
 # --- the links lose, delay, reorder ------------------------------------------------------------
