@@ -297,6 +297,7 @@ class LocalJob:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._started: list[float] = []  # time.monotonic() of each spawn
         self._ended: dict[int, float] = {}  # and of each exit seen
+        self._stopping: set[int] = set()  # positions this launcher signalled (_terminate)
         self._threads: list[threading.Thread] = []
         self._tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in self._workers]
         # Lists are indexed by position in ``workers``; a job of one machine of a multi-machine
@@ -511,12 +512,18 @@ class LocalJob:
 
     def _exit(self, index: int, code: int) -> WorkerExit:
         remote = self._remote[index]
-        if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
-            code = 128 - code
         spec = self._workers[index]
         reason = ""
+        if remote and code < 0 and index not in self._stopping:
+            # The signal ended ssh here, not the rank there, which its bootstrap stops when
+            # the session closes.
+            reason = (f"lost its ssh client: the ssh process on this host was killed by signal "
+                      f"{_signame(-code)}; the remote bootstrap on {spec.host} stops the rank "
+                      "when its session ends")
+        if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
+            code = 128 - code
         ran = self._ended.setdefault(index, time.monotonic()) - self._started[index]
-        if remote and code == _SSH_FAILED and (
+        if remote and code == _SSH_FAILED and not reason and (
                 ran > (self._ssh.connect_timeout or 30.0) + 1
                 or any(words in line for line in self._tails[index] for words in _SSH_LOST)):
             # ssh was connected (past ConnectTimeout, or its own words say so): its 255 is a
@@ -540,6 +547,7 @@ class LocalJob:
         """SIGTERM the supervisors of ``ranks`` (each stops its worker: SIGTERM, then SIGKILL
         after the grace period); SIGKILL those still there a moment after that."""
         running = [r for r in ranks if self._procs[r].poll() is None]
+        self._stopping.update(running)
         if running:
             log.info("stopping ranks %s", running)
         for rank in running:
