@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ProtocolError, RingflowError, from_wire
+from .requests import CachedAllreduce, Request, Response
 
 __all__ = ["TIMELINE", "Abort", "ClockProbe", "ClockReply", "Fatal", "Handover", "Heartbeat",
            "Message", "P2PData", "P2PReply", "Plan", "Submit", "TraceEvents", "decode", "encode"]
@@ -65,14 +66,15 @@ __all__ = ["TIMELINE", "Abort", "ClockProbe", "ClockReply", "Fatal", "Handover",
 
 @dataclasses.dataclass(frozen=True)
 class Submit:
-    requests: list[Any]  # negotiation.Request, new to the coordinator
+    requests: list[Request]  # new to the coordinator
     bits: list[int]  # response-cache bits of unchanged requests
-    data: list[Any]  # per bit: the prescaled tensor (allreduce of at most EAGER_BYTES) or None
+    #: per bit: the prescaled tensor (allreduce of at most collectives.EAGER_BYTES) or None
+    data: list[np.ndarray | None]
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    items: list[Any]  # negotiation.Response | negotiation.CachedAllreduce
+    items: list[Response | CachedAllreduce]
     seq: int  # its place in the coordinator stream (see the module docstring)
 
 

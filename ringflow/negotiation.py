@@ -34,106 +34,26 @@ whole allreduce costs one round trip to rank 0 instead of a round trip plus a co
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from .algorithms.local import reduce_parts
-from .collectives import COLLECTIVES, collective
-from .compression import Compression
-from .ops import DTYPES, ReduceOp
+from .collectives import COLLECTIVES, EAGER_BYTES, collective
+from .ops import ReduceOp
+from .requests import CachedAllreduce, Key, Request, Response
 
 __all__ = ["CachedAllreduce", "Coordinator", "Request", "Response", "ResponseCache"]
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, str]  # (process set id, tensor name)
 #: Names that begin with this are used once (a library numbers them, e.g. torch.distributed's
 #: collectives on backend "ringflow"): the response cache never takes them, since its bits are
 #: never reassigned and such a name would hold one for good.
 ONCE = "once:"
 
-#: Largest allreduce (per tensor, and per fused plan item) that travels to the coordinator with
-#: its cache bit and comes back reduced in the plan. See benchmarks/engine_latency.py.
-EAGER_BYTES = 64 * 1024
-
-
-@functools.cache
-def _wire_dtype(compression: str, dtype: str) -> np.dtype:
-    return Compression.by_name(compression).wire_dtype(DTYPES[dtype])
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One rank's submission of one tensor: everything the ranks must agree on.
-
-    ``kind`` is a key of :data:`ringflow.collectives.COLLECTIVES`; ``root`` a global rank;
-    ``error`` a local validation failure, which fails the operation on every rank."""
-
-    name: str
-    kind: str
-    dtype: str = ""
-    shape: tuple[int, ...] = ()
-    reduce_op: int = 1
-    root: int = -1
-    prescale: float = 1.0
-    postscale: float = 1.0
-    compression: str = "none"
-    device: str = "cpu"
-    process_set: int = 0
-    group: str = ""
-    group_size: int = 0
-    splits: tuple[int, ...] = ()
-    error: str = ""
-    #: Where the user called (``file:line``, :func:`ringflow.submission.call_site`), for stall
-    #: reports; "" where unknown. Not compared: the same request from another line is cached.
-    site: str = dataclasses.field(default="", compare=False)
-
-    @property
-    def key(self) -> Key:
-        return (self.process_set, self.name)
-
-    @property
-    def nbytes(self) -> int:
-        if not self.dtype:
-            return 0
-        # math.prod, not np.prod: this runs per tensor per cycle (np.prod costs ~5 us).
-        return math.prod(self.shape) * self.wire_dtype.itemsize
-
-    @property
-    def wire_dtype(self) -> np.dtype:
-        return _wire_dtype(self.compression, self.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class Response:
-    """One plan item: an operation on one or more (fused) tensors, or an error for one name."""
-
-    kind: str
-    process_set: int
-    requests: tuple[Request, ...]  # one reference request per tensor, in fusion order
-    first_dims: tuple[tuple[int, ...], ...] = ()  # allgather: [tensor][member] first dimension
-    joined: tuple[int, ...] = ()  # global ranks that contribute zeros
-    error: str = ""
-    error_type: str = ""  # a class name from ringflow.errors
-    value: int = -1  # join: the last rank to join; add_process_set: the new id
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(r.name for r in self.requests)
-
-
-@dataclasses.dataclass(frozen=True)
-class CachedAllreduce:
-    """A plan item of fused allreduces that every rank has cached: only their bits travel, and,
-    for small tensors the coordinator reduced itself, the fused result (wire dtype)."""
-
-    bits: tuple[int, ...]
-    result: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
 
 class ResponseCache:

@@ -21,13 +21,16 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import devices, failure, fault
 from .client import Client, local_client
 from .config import Config
 from .errors import ConfigError, NotInitializedError
 from .topology import RankInfo
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 __all__ = ["Binding", "bound", "cross_rank", "cross_size", "get_client", "info", "init",
            "is_initialized", "local_rank", "local_size", "rank", "running", "shutdown", "size",
@@ -36,7 +39,7 @@ __all__ = ["Binding", "bound", "cross_rank", "cross_size", "get_client", "info",
 log = logging.getLogger(__name__)
 
 _state_lock = threading.Lock()
-_engine: Any = None
+_engine: Engine | None = None
 _info: Any = None
 _client: Any = None
 _generation = itertools.count()
@@ -236,7 +239,7 @@ def is_initialized() -> bool:
     return _state()[0] is not None
 
 
-def running() -> Any:
+def running() -> Engine:
     """The running :class:`~ringflow.engine.Engine`.
 
     Raises:

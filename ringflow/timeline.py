@@ -62,6 +62,7 @@ from typing import IO, Any
 
 from . import threads
 from .messages import ClockProbe, ClockReply, TraceEvents
+from .requests import Key
 
 __all__ = ["FINAL_WAIT_S", "PROBES", "WINDOW", "Timeline", "TraceWriter", "answer_probe",
            "rank_metadata"]
@@ -80,7 +81,6 @@ _READY_KEPT = 64
 
 _clock: Callable[[], float] = time.perf_counter  # tests shift one rank's clock
 
-Key = tuple[int, str]
 #: A finished operation: (process set, name, kind, called, planned, data plane start or None,
 #: done, tensors fused, error text).
 Record = tuple[int, str, str, float, float, float | None, float, int, str]

@@ -1,5 +1,9 @@
 """The ``ringflow-run`` command line (horovodrun's flags; DESIGN.md sections 5 and 6).
 
+Over 600 lines on purpose: most of it is the table of flags, with the help text
+``ringflow-run --help`` prints and the notes of the other launchers' spellings; the logic is
+in :mod:`.launch` and :mod:`.dialects`.
+
 ::
 
     ringflow-run -np N [-H HOST:SLOTS,... | --hostfile FILE] [options] COMMAND [ARGS...]

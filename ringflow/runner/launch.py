@@ -1,5 +1,9 @@
 """Start, supervise and stop the workers of one job, on this host and over ssh.
 
+Over 600 lines on purpose: the launcher-to-worker contract (the environment) and the whole
+life of a local job (start, relay, supervise, stop, root cause) are one state machine, and
+split apart their shared state (processes, pipes, exits) would travel through every call.
+
 :func:`run_job` is the whole life of a job: it generates a secret, starts a rendezvous
 ``StoreServer`` (on 127.0.0.1 when every host is this machine: a single-host job never listens
 beyond loopback; else on the address the other hosts route to, see :mod:`.netif`), starts one

@@ -1,5 +1,9 @@
 """Collectives on torch tensors with Horovod 0.28's names, signatures and autograd rules.
 
+Over 600 lines on purpose: one short function per Horovod name and form (``op``,
+``op_async``, ``op_``) of twelve collectives, each converting tensors and calling the core; the
+shared logic (names, ops, gradient rules) is in :mod:`ringflow._adapter`.
+
 Every collective has Horovod's forms: ``op`` (synchronous and differentiable), ``op_async``
 (returns a handle for :func:`poll` / :func:`synchronize`) and, where Horovod has them, ``op_`` /
 ``op_async_`` (in place). Tensors reach the engine without a copy (:mod:`._tensors`), CUDA

@@ -1,5 +1,9 @@
 """torch.distributed's backend ``"ringflow"``: torch's own API on ringflow's engine.
 
+Over 600 lines on purpose: one method per entry point of torch's ``ProcessGroup`` (about
+twenty-five), each translating torch's arguments and outputs, beside the one table of torch's
+call -> ringflow's operation (DESIGN.md section 13) that they implement.
+
 ``import ringflow.torch`` registers it; then ``torch.distributed.init_process_group(
 backend="ringflow")`` (any init method: ``env://``, ``tcp://``, ``file://``, a ``store=``) makes
 the default group a :class:`ProcessGroupRingflow`, and ``all_reduce``, ``broadcast``,

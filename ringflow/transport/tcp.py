@@ -1,5 +1,9 @@
 """TCP transport: one authenticated connection per pair of ranks, data and control multiplexed.
 
+Over 600 lines on purpose: the setup, the frames, the reader and sender threads and what each
+does when a peer or its host fails are one protocol, read together (the failure rules of issues
+18 and 32 live between the threads' lines).
+
 Setup: every rank binds a listener, publishes ``host:port name`` (its address and its host's
 name) under ``{prefix}tcp/{rank}`` in the rendezvous store, dials every lower rank and accepts
 every higher one. Each connection runs the HMAC handshake of :mod:`ringflow.wire` before anything

@@ -164,7 +164,7 @@ def test_the_successor_knows_who_left_before_it_took_over(monkeypatch: pytest.Mo
         if r == 2:
             wait_for("rank 0 holds back what rank 2 sends it", hold.armed.is_set)
             return ""
-        wait_for("rank 2's goodbye reached rank 1", lambda: 2 in rf.engine._departed)
+        wait_for("rank 2's goodbye reached rank 1", lambda: 2 in rf.engine.seat.departed)
         rank_2_left.set()
         wait_for("rank 1 took over", lambda: rf.engine.coordinator is not None)
         with pytest.raises(ShutdownError) as info:
