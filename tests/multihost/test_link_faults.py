@@ -11,7 +11,7 @@ Every case ends one of two ways, and the test says which it expects:
 * **fails cleanly**: every rank raises one PeerError naming the other side's host within the
   bound (``RINGFLOW_TIMEOUT_S`` T plus two heartbeats, plus a second for the verdict and two of
   slack), the launcher exits non-zero with a report that names the unreachable host within
-  T + 15 s, and no ringflow process is left on any host (the cut-off one included, while it is
+  T + 20 s, and no ringflow process is left on any host (the cut-off one included, while it is
   still cut off).
 
 The cases that fail use T = 10 s instead of the default 30 s: only the wait is shorter (the
@@ -55,7 +55,9 @@ SLOTS = {0: 1, 1: 2}  # rank 0 on h1, ranks 1 and 2 on h2
 N = 3
 T = 10.0  # RINGFLOW_TIMEOUT_S of the cases that fail (see the module doc)
 VERDICT_S = T + 2 * 1.0 + 1.0 + 2.0  # heartbeats every min(1 s, T/4); the verdict; slack
-LAUNCHER_S = T + 15.0  # and the launcher: 5 s for the others to end, then the stop's grace
+# And the launcher: the survivors' exit (goodbyes given up after 2.5 s, 2 s of linger), 5 s for
+# the others to end on their own, then the stop (measured 15-21 s at T = 10 s).
+LAUNCHER_S = T + 20.0
 FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
 
@@ -282,9 +284,6 @@ def test_a_wall_clock_that_jumps_changes_nothing(hosts, tmp_path):
     wrap = (f"LD_PRELOAD={FAKETIME} FAKETIME_DONT_FAKE_MONOTONIC=1 FAKETIME_NO_CACHE=1 "
             f"FAKETIME_TIMESTAMP_FILE={offset} exec")
     job = Job(hosts, tmp_path, timeout_s=T, wrap=wrap)
-    probe = subprocess.run(["sh", "-c", f'{wrap} "$@"', "sh", sys.executable, "-c",
-                            "import time; print(time.time())"], capture_output=True, text=True,
-                           timeout=30)
 
     def jumps() -> None:
         offset.write_text("-1h\n")
@@ -293,7 +292,12 @@ def test_a_wall_clock_that_jumps_changes_nothing(hosts, tmp_path):
         time.sleep(2 * T / 3)
 
     rides_through(job, jumps)
-    assert float(probe.stdout) - time.time() < 5  # the probe read "+0": the wrapper works
+    probe = subprocess.run(["sh", "-c", f'{wrap} "$@"', "sh", sys.executable, "-c",
+                            "import time; print(time.time(), time.monotonic())"],
+                           capture_output=True, text=True, timeout=30)
+    wall, monotonic = map(float, probe.stdout.split())
+    assert abs(wall - time.time() - 86400) < 60, probe  # the wrapper moves the wall clock ...
+    assert abs(monotonic - time.monotonic()) < 60, probe  # ... and only that one
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare (util-linux) is missing")
