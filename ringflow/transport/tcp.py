@@ -68,6 +68,9 @@ _GOODBYE_WRITE_S = 2.5
 _DATA, _CTRL = 1, 2
 _RANK = struct.Struct("!Q")
 _TCP_RTO_MAX_MS = 44  # linux/tcp.h (Linux 6.15): the ceiling of the retransmission timeout
+#: What Linux's default (tcp_retries2 = 15, backoff to 120 s) gives an unacknowledged write
+#: before it resets the connection: about 15 minutes (924.6 s).
+_TCP_GIVE_UP_S = 924.6
 # The longest a connection to a data listener may take over its handshake and rank: peers answer
 # in milliseconds; this only bounds what a connection that never speaks holds.
 _HANDSHAKE_S = 10.0
@@ -256,8 +259,11 @@ class _Peer:
                 else:
                     raise ProtocolError(f"rank {self.rank} sent a frame with unknown tag {tag}")
         except RingflowTimeoutError:
-            # The socket timeout only bounds handshakes and writes; idle reads are normal.
-            self.fail(PeerError(f"rank {self.rank} stopped responding"))
+            # No socket timeout is set after the setup: this is TCP giving up on the connection
+            # (ETIMEDOUT: its data unacknowledged for TCP_USER_TIMEOUT, see _tune).
+            where = f" on host {self.host}" if self.host else ""
+            self.fail(PeerError(f"rank {self.rank}{where} stopped responding: TCP gave up on "
+                                "the connection"))
         except RingflowError as exc:
             if self.departed:
                 # Let the peer's close() see our end-of-file at once: it is waiting for it.
@@ -574,7 +580,7 @@ def create(
             rejected(addr, str(exc))
             conn.close()
             return
-        _tune(conn)
+        _tune(conn, timeout)
         expected.discard(peer)
         accepted[peer] = conn
         if not expected:
@@ -588,7 +594,7 @@ def create(
             addr, _, hosts[peer] = value.partition(" ")
             phost, pport = addr.rsplit(":", 1)
             conn = socket.create_connection((phost, int(pport)), timeout=timeout)
-            _tune(conn)
+            _tune(conn, timeout)
             wire.client_handshake(conn, secret, timeout)
             conn.sendall(_RANK.pack(rank) + bytes([len(name)]) + name)
             socks[peer] = conn
@@ -615,7 +621,7 @@ def _host_name(name: str) -> bytes:
     return "_".join(name.split())[:255].encode()[:255]
 
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, timeout: float) -> None:
     # Socket buffers stay with the kernel's autotuning: explicit SO_SNDBUF/SO_RCVBUF (which turn
     # it off) were no faster in benchmarks/tcp_tuning.py (engine path, loopback, medians of 5
     # runs, 64 MiB on 2 / 4 ranks: auto 103 / 261 ms, 256 KiB 137 / 257, 1 MiB 109 / 232,
@@ -627,5 +633,14 @@ def _tune(sock: socket.socket) -> None:
     # (tests/multihost/test_link_faults.py). Capped at 1 s (the least Linux takes), the
     # connection resumes within a second of the link, and a job rides through any outage
     # shorter than timeout_s minus about 2 s. Linux 6.15+; elsewhere the backoff stays.
-    with contextlib.suppress(OSError):
+    # The kernel gives up on a connection after tcp_retries2 (15) retransmissions, a budget it
+    # computes with this ceiling: 15 s instead of ~15 min, so that with the default 30 s
+    # timeout an outage of 15-30 s ended the job at 15 s ("stopped responding"; measured)
+    # rather than being ridden through. TCP_USER_TIMEOUT gives it back its ~15 minutes (and
+    # never less than twice the longest data wait): ringflow's heartbeats decide, at timeout_s.
+    try:
         sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, 1000)
+    except OSError:
+        return
+    limit_s = max(_TCP_GIVE_UP_S, 2 * data_wait_s(timeout))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(limit_s * 1000))

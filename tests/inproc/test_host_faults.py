@@ -72,6 +72,25 @@ def test_every_rank_knows_every_peers_host(size):
             t.close(linger=0)
 
 
+def test_tcp_retransmits_at_least_every_second_and_gives_up_only_after_15_minutes():
+    """Where the kernel takes TCP_RTO_MAX_MS (Linux 6.15+): a link back after an outage is
+    noticed within a second, and the kernel's give-up budget, which it computes with that
+    ceiling (15 retransmissions: 15 s), is set back to the default's 15 minutes: ringflow's
+    heartbeats decide, at RINGFLOW_TIMEOUT_S (test_link_faults.py rides through 20 s down)."""
+    ts = _connect(["h1", "h2"])
+    try:
+        sock = ts[0]._peers[1].sock
+        try:
+            rto_max = sock.getsockopt(socket.IPPROTO_TCP, tcp._TCP_RTO_MAX_MS)
+        except OSError:
+            pytest.skip("the kernel lacks TCP_RTO_MAX_MS")
+        assert rto_max == 1000
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) >= 924_000
+    finally:
+        for t in ts:
+            t.close(linger=0)
+
+
 def test_a_lost_peer_is_named_with_its_host_on_every_rank():
     ts = _connect(["h1", "h1", "h2"])
     failures: dict[int, list[BaseException]] = {0: [], 1: []}
