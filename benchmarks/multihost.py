@@ -24,6 +24,13 @@ allreduces each; an allreduce's time is the slowest rank's, after a barrier:
    allreduces) against the host-level ring bound ``2 (H-1)/H * S`` and the rank-level
    ``2 (N-1)/N * S``.
 
+3. ``--loss P [P ...]`` (instead of 1 and 2): 2 hosts, one rank each, every host losing the
+   fraction ``P`` of what it receives (``netns_cluster.impaired``: the kernel's ``statistic``
+   match, per packet as the stack holds it, as netem's loss; needs ``iptables-legacy``);
+   ringflow and gloo alternate, job by job, at each ``P`` in turn, within one repeat:
+
+       sudo python benchmarks/multihost.py --loss 0 0.01 --mib 64 --repeats 5
+
 Ceiling: with the default MTU of 1500 a TCP segment carries 1448 payload bytes in 1514 bytes on
 the wire (Ethernet, IP and TCP headers with timestamps), so no TCP peer can exceed
 1448/1514 = 0.956 of the bound.
@@ -181,6 +188,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed allreduces per job")
     ap.add_argument("--repeats", type=int, default=3, help="jobs per configuration")
     ap.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    ap.add_argument("--loss", type=float, nargs="+", default=None,
+                    help="fractions of packets each host loses: 2 hosts, ringflow vs gloo")
+    ap.add_argument("--cc", default="", help="TCP congestion control of the hosts with --loss: "
+                    "one of net.ipv4.tcp_allowed_congestion_control, the only ones a namespace "
+                    "may pick (reno, bbr here); default: the kernel's (bbr here)")
     ap.add_argument("--json", default="", help="also write every job's figures here")
     ap.add_argument("--plot", default="", help="also plot bound / time against hosts (PNG)")
     args = ap.parse_args()
@@ -197,7 +209,13 @@ def main() -> int:
         print(f"multihost benchmark skipped: namespace hosts cannot be built here: {reason}",
               file=sys.stderr)
         return 0
+    if args.loss is not None and netns_cluster.impair_unavailable():
+        print(f"multihost benchmark skipped: {netns_cluster.impair_unavailable()}",
+              file=sys.stderr)
+        return 0
     signal.signal(signal.SIGTERM, _interrupt)
+    if args.loss is not None:
+        return lossy(args)
     bps = parse_rate(args.rate)
     nbytes = args.mib << 20
     # A job's limit: every allreduce at a quarter of the link rate, plus start-up.
@@ -293,6 +311,69 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jobs": log, "failures": failures}, f)
+    return 0
+
+
+def lossy(args: argparse.Namespace) -> int:
+    """Section 3 of the module doc: ringflow against gloo on 2 hosts at each ``--loss``."""
+    bps = parse_rate(args.rate)
+    nbytes = args.mib << 20
+    bound = nbytes * 8 / bps  # 2 (n-1)/n * S / R at n = 2
+    worst = max(args.loss)
+    timeout = 60 + 4 * 2 * bound * (args.warmup + args.iters) / max(1e-3, 1 - 20 * worst)
+    common = ["--bytes", str(nbytes), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    runs: dict[tuple[str, float], list[float]] = {}
+    failures: list[str] = []
+    started = time.monotonic()
+    slots = {0: 1, 1: 1}
+    with netns_cluster.cluster(2) as c, netns_cluster.shaped(c, args.rate):
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            cc = args.cc or f.read().strip()
+        for ns in c.namespaces:
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
+                            f"net.ipv4.tcp_congestion_control={cc}"], check=True, timeout=20)
+        env = dict(os.environ, OMP_NUM_THREADS="1", RINGFLOW_TRANSPORT="auto")
+        gloo = [sys.executable, os.path.abspath(__file__), "--gloo-worker", "--master",
+                c.addresses[0], "--interface", c.interface, *common]
+        ringflow = [sys.executable, WORKER, "--interface", c.interface, *common]
+        for rep in range(args.repeats):
+            for loss in args.loss:
+                with netns_cluster.impaired(c, (0, 1), loss=loss) as counts:
+                    for peer in ("ringflow", "gloo"):
+                        command = ringflow if peer == "ringflow" else [
+                            *gloo, "--port", str(random.randrange(20000, 60000))]
+                        try:
+                            t, _ = _summary(_job(c, slots, command, env, timeout))
+                        except RuntimeError as exc:
+                            failures.append(f"{peer} loss {loss:g} repeat {rep + 1}: {exc}")
+                            print(f"  {peer} at loss {loss:g} failed: {exc}", file=sys.stderr)
+                            continue
+                        runs.setdefault((peer, loss), []).append(t)
+                        print(f"  repeat {rep + 1}, loss {loss:g}, {peer}: {t:.3f} s",
+                              file=sys.stderr, flush=True)
+                if loss:
+                    print(f"  repeat {rep + 1}, loss {loss:g}, both jobs: {counts}",
+                          file=sys.stderr, flush=True)
+    took = time.monotonic() - started
+    print(f"### {args.mib} MiB float32 allreduce, 2 namespace hosts x 1 rank, links {args.rate} "
+          f"per direction (tc tbf), TCP congestion control {cc}, each host losing the given "
+          "fraction of what it receives; "
+          f"median of {args.repeats} jobs x {args.iters} allreduces (min-max of the job "
+          "medians), ringflow and gloo alternating\n")
+    head = ["loss", "bound s", "ringflow s", "ringflow: bound / time", "gloo s",
+            "gloo: bound / time", "gloo time / ringflow time"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for loss in args.loss:
+        rf_t, gl_t = runs.get(("ringflow", loss)), runs.get(("gloo", loss))
+        if not rf_t or not gl_t:
+            print(f"| {loss:g} | {bound:.3f} | every job of a peer failed (see below) |")
+            continue
+        print(f"| {loss:g} | {bound:.3f} | {_med(rf_t)} | {bound / statistics.median(rf_t):.3f} "
+              f"| {_med(gl_t)} | {bound / statistics.median(gl_t):.3f} | "
+              f"{statistics.median(gl_t) / statistics.median(rf_t):.2f} |")
+    print(f"\nwhole run {took:.0f} s")
+    for line in failures:
+        print(f"failed job: {line.splitlines()[0]}")
     return 0
 
 

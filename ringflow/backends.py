@@ -374,7 +374,7 @@ def _with_nccl(backends: Backends, info: Any, store: Any, config: Any, prefix: s
 
 
 def shared_memory(rank: int, size: int, store: Any, config: Any, prefix: str = "",
-                  local_size: int | None = None) -> Backends:
+                  local_size: int | None = None, hostname: str = "") -> Backends:
     """TCP between all ranks, plus shared memory among the ``local_size`` ranks of each host.
 
     Ranks must be assigned host by host (``rank = host * local_size + local_rank``, as
@@ -387,7 +387,7 @@ def shared_memory(rank: int, size: int, store: Any, config: Any, prefix: str = "
             f"{local_size} on this host do not divide evenly; set RINGFLOW_TRANSPORT=tcp"
         )
     host, local_rank = divmod(rank, local_size)
-    link = transport.create("tcp", rank, size, store, config, prefix)
+    link = transport.create("tcp", rank, size, store, config, prefix, hostname=hostname)
     # Barriers wait for this host's ranks only: another host's rank that finished and left is
     # not a reason to fail them.
     local = range(host * local_size, (host + 1) * local_size)
@@ -447,5 +447,8 @@ def _connect(info: Any, store: Any, config: Any, prefix: str, comm: Any = None) 
                       for r, (cr, lr, ls) in enumerate(layout))
         name = "shm" if by_host and local > 1 and available() else "tcp"
     if name == "shm":
-        return shared_memory(info.rank, info.size, store, config, prefix, local)
-    return _over(transport.create(name, info.rank, info.size, store, config, prefix=prefix))
+        return shared_memory(info.rank, info.size, store, config, prefix, local, info.hostname)
+    # The TCP transport names each peer's host in its errors: the name the launcher gave it.
+    named = {"hostname": info.hostname} if name == "tcp" else {}
+    return _over(transport.create(name, info.rank, info.size, store, config, prefix=prefix,
+                                  **named))

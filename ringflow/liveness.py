@@ -8,7 +8,9 @@ nothing came for ``timeout_s + interval``. The heartbeat thread itself checks
 (:meth:`Liveness.silent`) at every beat, so the verdict comes while the engine thread is blocked
 in a data-plane wait: between ``timeout_s`` and ``timeout_s + 2 interval`` (at most 2 s more)
 after the peer froze, never sooner. Its text is the same on every rank that watches that peer
-(for a frozen rank 0, every rank), so survivors that decide without rank 0 still agree. A dead
+(for a frozen rank 0, every rank), so survivors that decide without rank 0 still agree. It names
+the peer's host where the transport knows it: between hosts, a silent peer is as often an
+unreachable host (a link down, a partition, a host that lost power) as a frozen process. A dead
 peer is found sooner, by its transport (a closed connection).
 """
 
@@ -29,9 +31,11 @@ __all__ = ["Liveness"]
 class Liveness:
     """When each peer was last heard of; the heartbeat thread."""
 
-    def __init__(self, rank: int, size: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, size: int, timeout_s: float,
+                 host: Callable[[int], str] = lambda _rank: "") -> None:
         self.rank, self.size = rank, size
         self.timeout_s = timeout_s
+        self._host = host
         self.interval = heartbeat_interval(timeout_s)
         self._last_heard: dict[int, float] = {}
         self.follow(0)
@@ -61,9 +65,11 @@ class Liveness:
         now = time.monotonic()
         for peer, heard in list(self._last_heard.items()):
             if now - heard > self.timeout_s + self.interval:
+                host = self._host(peer)
+                unreachable = f", or host {host} cannot be reached" if host else ""
                 return peer, PeerError(
                     f"rank {peer} has not responded for more than {self.timeout_s:g} s: it is "
-                    "frozen or overloaded (RINGFLOW_TIMEOUT_S sets this limit)")
+                    f"frozen or overloaded{unreachable} (RINGFLOW_TIMEOUT_S sets this limit)")
         return None
 
     def start(self, owner: object, beat: Callable[[object], None], name: str) -> None:

@@ -103,7 +103,7 @@ class Engine:
         # accepted or planned (both set under _lock, so nothing slips in behind the final drain).
         self._refuse: BaseException | None = None
         self._closed = False
-        self._liveness = Liveness(rank, size, config.timeout_s)
+        self._liveness = Liveness(rank, size, config.timeout_s, transport.peer_host)
         self._timeline: Timeline | None = None  # set under _lock; closed outside it
         self._closing: Timeline | None = None  # the one being closed (see timeline())
         if config.timeline_path:

@@ -125,8 +125,12 @@ class Verdicts:
             elif self.verdict is not None:
                 error = self.verdict  # announced already
             elif self.coordinator_failure() is not None:
-                # No verdict can come: every survivor names the coordinator alike.
+                # No verdict can come: every survivor names the coordinator alike. A coordinator
+                # that was only out of reach (a partition healing, a one-way one) may still read
+                # this, before this rank's goodbye: it then fails the job with this text rather
+                # than with "rank r has shut down".
                 error = self.coordinator_failure()
+                e._send(e.seat.coord, Abort.of(error))
             else:
                 e._send(e.seat.coord, Abort.of(error))
                 error = self._await_verdict(error)

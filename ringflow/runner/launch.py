@@ -116,6 +116,12 @@ DEFAULT_GRACE_S = 5.0
 #: Lines of a failed rank's stderr kept for the failure report.
 TAIL_LINES = 20
 _POLL_S = 0.02
+_SSH_FAILED = 255
+#: What OpenSSH's client prints when an established session ends under it (its sshd killed, the
+#: connection reset, ServerAlive probes unanswered); a connection never made says otherwise
+#: ("Connection timed out", "Permission denied", "Host key verification failed").
+_SSH_LOST = ("closed by remote host", "Connection reset by", "Broken pipe",
+             "not responding")
 _PR_SET_PDEATHSIG = 1
 #: How much longer than ``grace_s`` a supervisor may take to stop its worker before it gets
 #: SIGKILL itself: it sends SIGKILL at ``grace_s`` and then reaps.
@@ -293,6 +299,9 @@ class LocalJob:
         self._err = stderr if stderr is not None else sys.stderr
         self._grace_s = grace_s
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._started: list[float] = []  # time.monotonic() of each spawn
+        self._ended: dict[int, float] = {}  # and of each exit seen
+        self._stopping: set[int] = set()  # positions this launcher signalled (_terminate)
         self._threads: list[threading.Thread] = []
         self._tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in self._workers]
         # Lists are indexed by position in ``workers``; a job of one machine of a multi-machine
@@ -331,6 +340,7 @@ class LocalJob:
                     env.update(_thread_defaults(env, spec, told))
                 log.info("starting rank %d on %s: %s", spec.rank, spec.host, argv)
                 self._procs.append(self._spawn(spec, argv, env, setup))
+                self._started.append(time.monotonic())
         except BaseException:
             self._terminate(range(len(self._procs)))
             for f in files.values():
@@ -486,6 +496,9 @@ class LocalJob:
                 with contextlib.suppress(OSError):
                     stdin.close()
             self._join_output()
+        # Again, now that their output is in: what ssh said of a lost session (_exit).
+        exits = [None if e is None else self._exit(r, self._procs[r].returncode)
+                 for r, e in enumerate(exits)]
         stopped = [self._exit(r, self._procs[r].returncode) for r, e in enumerate(exits)
                    if e is None]
         first, secondary = root_cause([exits[r] for r in failed], stopped, self._status)
@@ -503,10 +516,27 @@ class LocalJob:
 
     def _exit(self, index: int, code: int) -> WorkerExit:
         remote = self._remote[index]
+        spec = self._workers[index]
+        reason = ""
+        if remote and code < 0 and index not in self._stopping:
+            # The signal ended ssh here, not the rank there, which its bootstrap stops when
+            # the session closes.
+            reason = (f"lost its ssh client: the ssh process on this host was killed by signal "
+                      f"{_signame(-code)}; the remote bootstrap on {spec.host} stops the rank "
+                      "when its session ends")
         if remote and 128 < code < 128 + 65:  # the bootstrap's 128 + signal
             code = 128 - code
-        spec = self._workers[index]
-        return WorkerExit(spec.rank, spec.host, code, (), remote)
+        ran = self._ended.setdefault(index, time.monotonic()) - self._started[index]
+        if remote and code == _SSH_FAILED and not reason and (
+                ran > (self._ssh.connect_timeout or 30.0) + 1
+                or any(words in line for line in self._tails[index] for words in _SSH_LOST)):
+            # ssh was connected (past ConnectTimeout, or its own words say so): its 255 is a
+            # session lost while the rank ran, not one that could not be made, for which
+            # report.WorkerExit.describe gives the hint about ssh's configuration.
+            reason = (f"lost its ssh session after {ran:.0f} s (ssh exited with code 255: the "
+                      f"connection to host {spec.host} broke, or its sshd session there was "
+                      "killed; the remote bootstrap stops the rank when its session ends)")
+        return WorkerExit(spec.rank, spec.host, code, (), remote, reason=reason)
 
     def _note_exits(self, exits: list[WorkerExit | None]) -> list[int]:
         """Record the workers that have exited since the last call; their ranks, in order."""
@@ -521,6 +551,7 @@ class LocalJob:
         """SIGTERM the supervisors of ``ranks`` (each stops its worker: SIGTERM, then SIGKILL
         after the grace period); SIGKILL those still there a moment after that."""
         running = [r for r in ranks if self._procs[r].poll() is None]
+        self._stopping.update(running)
         if running:
             log.info("stopping ranks %s", running)
         for rank in running:

@@ -131,7 +131,7 @@ def root_cause(
     own = [e for e in failed if e.status is None or not e.status.secondary]
     first = own[0] if own else None
     if first is None:
-        hung = [dataclasses.replace(e, status=s) for e in stopped
+        hung = [dataclasses.replace(e, status=s, reason=_hung(e, s)) for e in stopped
                 if (s := read(e.rank)) is None or not s.secondary]
         hung.sort(key=lambda e: e.status is None)  # one that says it crashed, before a silent one
         first = hung[0] if hung else failed[0]
@@ -139,6 +139,16 @@ def root_cause(
                              if e.rank != first.rank and e.status is not None
                              and e.status.secondary))
     return first, secondary
+
+
+def _hung(worker: WorkerExit, status: Status | None) -> str:
+    """Why a rank the launcher had to stop is the root cause (its exit code is the stop's: a
+    signal, or ssh's 255 once its client is stopped, which says nothing about the rank)."""
+    if status is not None:
+        return "failed, then did not exit; ringflow-run stopped it"
+    unreachable = f", or host {worker.host} became unreachable" if worker.remote else ""
+    return ("stopped responding: it did not exit when the job failed and left no status in the "
+            f"job's store; it froze{unreachable} (ringflow-run stopped it)")
 
 
 def _signame(signum: int) -> str:

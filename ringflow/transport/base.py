@@ -90,6 +90,10 @@ class ControlChannel(Protocol):
         """Raise the error of the first of ``ranks`` (default: every peer) that has gone; no
         I/O."""
 
+    def peer_host(self, rank: int) -> str:
+        """The name of ``rank``'s host, for error texts: the same on every rank (the name that
+        rank gave itself), "" where the transport does not know it."""
+
     def abort(self, error: BaseException) -> None:
         """The job has failed with ``error``: every pending data-plane send and receive fails
         with it now, and so does every later one and :meth:`check_peers` (control messages and

@@ -335,6 +335,10 @@ class LoopbackTransport(Transport):
         if start:
             self._delivery.start()
 
+    def peer_host(self, rank: int) -> str:
+        """Not known here ("": errors name the rank alone)."""
+        return ""
+
     def check_peers(self, ranks: Iterable[int] | None = None) -> None:
         """Raise the goodbye of the first of ``ranks`` (default: every peer) that has closed, or
         the world's abort error; no waiting."""

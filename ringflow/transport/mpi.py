@@ -361,6 +361,10 @@ class MpiTransport(NativeAllreduce):
         for rank, error in gone.items():
             on_failure(rank, error)
 
+    def peer_host(self, rank: int) -> str:
+        """Not known here ("": errors name the rank alone)."""
+        return ""
+
     def check_peers(self, ranks: Iterable[int] | None = None) -> None:
         """Raise the error of the first of ``ranks`` (default: any peer) that has gone, if any
         (cheap; no I/O). A failure of MPI itself (rank -1) counts for every rank; after

@@ -1,9 +1,16 @@
 """TCP transport: one authenticated connection per pair of ranks, data and control multiplexed.
 
-Setup: every rank binds a listener, publishes ``host:port`` under ``{prefix}tcp/{rank}`` in the
-rendezvous store, dials every lower rank and accepts every higher one. Each connection runs the
-HMAC handshake of :mod:`ringflow.wire` before anything is parsed; the dialer then sends its rank
-(8 bytes), checked against the ranks still expected. Handshakes run all at once
+Over 600 lines on purpose: the setup, the frames, the reader and sender threads and what each
+does when a peer or its host fails are one protocol, read together (the failure rules of issues
+18 and 32 live between the threads' lines).
+
+Setup: every rank binds a listener, publishes ``host:port name`` (its address and its host's
+name) under ``{prefix}tcp/{rank}`` in the rendezvous store, dials every lower rank and accepts
+every higher one. Each connection runs the HMAC handshake of :mod:`ringflow.wire` before anything
+is parsed; the dialer then sends its rank (8 bytes), checked against the ranks still expected,
+and its host's name (1 byte of length, then UTF-8). Every rank thus knows each peer's host, which
+its errors name (a lost or silent peer on another host is as often its host or the network as
+the process). Handshakes run all at once
 (:class:`ringflow.wire.Acceptor`), each bounded by ``min(timeout_s, 10 s)``, so connections
 that never speak delay no peer (two idle ones used to keep a job from starting: handshakes were
 served one at a time, each with the full timeout).
@@ -54,8 +61,16 @@ _HDR = struct.Struct("!BQ")
 #: How long a failed write waits for this peer's reader to reach the end of the stream, where a
 #: goodbye it has not read yet would be (see _Peer._send_failed). Only failed writes wait.
 _GOODBYE_GRACE_S = 5.0
+#: How long :meth:`TcpTransport.close` waits for its goodbyes to be written, all peers together:
+#: to a peer that reads, one is written at once; one still queued after this is behind a write
+#: the peer does not take (the 2.5 s each had before, ``data_wait_s(1.0)``).
+_GOODBYE_WRITE_S = 2.5
 _DATA, _CTRL = 1, 2
 _RANK = struct.Struct("!Q")
+_TCP_RTO_MAX_MS = 44  # linux/tcp.h (Linux 6.15): the ceiling of the retransmission timeout
+#: What Linux's default (tcp_retries2 = 15, backoff to 120 s) gives an unacknowledged write
+#: before it resets the connection: about 15 minutes (924.6 s).
+_TCP_GIVE_UP_S = 924.6
 # The longest a connection to a data listener may take over its handshake and rank: peers answer
 # in milliseconds; this only bounds what a connection that never speaks holds.
 _HANDSHAKE_S = 10.0
@@ -77,6 +92,14 @@ class _Work:
         self._error = error
         self._done.set()
 
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def done_by(self, deadline: float) -> bool:
+        """Wait until done or ``deadline`` (``time.monotonic()``); whether it is done."""
+        return self._done.wait(max(0.0, deadline - time.monotonic()))
+
     def wait(self) -> None:
         if not self._done.wait(data_wait_s(self._timeout)):
             raise RingflowTimeoutError(
@@ -90,9 +113,10 @@ class _Work:
 class _Peer:
     """One connection: a reader thread, a sender thread, and FIFOs of posted receives/sends."""
 
-    def __init__(self, owner: TcpTransport, rank: int, sock: socket.socket) -> None:
+    def __init__(self, owner: TcpTransport, rank: int, sock: socket.socket, host: str) -> None:
         self.owner = owner
         self.rank = rank
+        self.host = host
         self.sock = sock
         self.error: BaseException | None = None
         self.departed = False
@@ -148,7 +172,7 @@ class _Peer:
         self._reader.join(_GOODBYE_GRACE_S)
         log.debug("sending to rank %d failed: %s", self.rank, exc)
         error: RingflowError = (ShutdownError(f"rank {self.rank} has shut down") if self.departed
-                                else lost(self.rank))
+                                else lost(self.rank, self.host))
         self.fail(error)  # nothing if the reader failed the peer first
         return self.error or error
 
@@ -235,8 +259,11 @@ class _Peer:
                 else:
                     raise ProtocolError(f"rank {self.rank} sent a frame with unknown tag {tag}")
         except RingflowTimeoutError:
-            # The socket timeout only bounds handshakes and writes; idle reads are normal.
-            self.fail(PeerError(f"rank {self.rank} stopped responding"))
+            # No socket timeout is set after the setup: this is TCP giving up on the connection
+            # (ETIMEDOUT: its data unacknowledged for TCP_USER_TIMEOUT, see _tune).
+            where = f" on host {self.host}" if self.host else ""
+            self.fail(PeerError(f"rank {self.rank}{where} stopped responding: TCP gave up on "
+                                "the connection"))
         except RingflowError as exc:
             if self.departed:
                 # Let the peer's close() see our end-of-file at once: it is waiting for it.
@@ -250,7 +277,7 @@ class _Peer:
                 self.fail(PeerError(f"lost rank {self.rank}: {exc}"))
             else:  # end of file or a reset, mid-frame or not: the same text on every rank
                 log.debug("lost rank %d: %s", self.rank, exc)
-                self.fail(lost(self.rank))
+                self.fail(lost(self.rank, self.host))
 
     def _next_recv(self) -> _Work | None:
         with self._lock:
@@ -295,16 +322,28 @@ class _Peer:
         if not self.owner.closed:
             self.owner._peer_failed(self.rank, error)
 
-    def say_goodbye(self) -> None:
-        """Tell the peer we are closing on purpose, then stop writing (reads go on)."""
+    def start_goodbye(self) -> _Work | None:
+        """Tell the peer we are closing on purpose: the goodbye is queued behind what is being
+        sent (None: the peer has failed already)."""
+        work = _Work(None, self, 1.0)
         try:
-            work = _Work(None, self, 1.0)
             self.send(_CTRL, memoryview(b""), work)
-            work.wait()
-            with self._send_lock:
-                self.sock.shutdown(socket.SHUT_WR)
         except (RingflowError, OSError):
-            pass
+            return None
+        return work
+
+    def end_goodbye(self, work: _Work | None, deadline: float) -> None:
+        """Once the goodbye is written (by ``deadline`` at the latest), stop writing; reads go
+        on. A goodbye still unwritten then is given up: the peer does not read (frozen, or its
+        host unreachable), and :meth:`close` unblocks the write."""
+        if work is None or not work.done_by(deadline) or work.failed:
+            return
+        if self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            try:
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_WR)
+            finally:
+                self._send_lock.release()
 
     def close(self, deadline: float) -> None:
         # Reading to the peer's end-of-file before closing avoids a reset that could destroy
@@ -316,11 +355,13 @@ class _Peer:
         self.sock.close()
 
 
-def lost(rank: int) -> PeerError:
+def lost(rank: int, host: str = "") -> PeerError:
     """The error of a peer whose connection ended without a goodbye, however it was noticed (end
-    of file, a reset, a failed write): one text, so that every rank reports the same."""
-    return PeerError(f"lost rank {rank}: the connection was closed (the process exited or was "
-                     "killed)")
+    of file, a reset, a failed write): one text, so that every rank reports the same (``host`` is
+    the name the peer gave itself, the same on every rank)."""
+    where = f" on host {host}" if host else ""
+    return PeerError(f"lost rank {rank}{where}: the connection was closed (the process exited or "
+                     "was killed)")
 
 
 def _discard(sock: socket.socket, size: int) -> None:
@@ -335,7 +376,8 @@ class TcpTransport(Transport):
     """The ``tcp`` transport. See the module docstring for the protocol."""
 
     def __init__(
-        self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float
+        self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float,
+        hosts: dict[int, str] | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -346,7 +388,8 @@ class TcpTransport(Transport):
         self._fail_handler: Callable[[int, BaseException], None] | None = None
         self._early: list[tuple[int, bytes | bytearray]] = []
         self._handler_lock = threading.Lock()
-        self._peers = {r: _Peer(self, r, s) for r, s in socks.items()}
+        hosts = hosts or {}
+        self._peers = {r: _Peer(self, r, s, hosts.get(r, "")) for r, s in socks.items()}
 
     def isend(self, buf: memoryview, dst: int) -> _Work:
         if self.aborted is not None:
@@ -387,6 +430,11 @@ class TcpTransport(Transport):
         for peer in self._peers.values():
             if peer.error is not None:
                 on_failure(peer.rank, peer.error)
+
+    def peer_host(self, rank: int) -> str:
+        """The name of ``rank``'s host as that rank gave it ("" for this rank, or one unknown)."""
+        peer = self._peers.get(rank)
+        return peer.host if peer is not None else ""
 
     def check_peers(self, ranks: Iterable[int] | None = None) -> None:
         """Raise the error of the first of ``ranks`` (default: every peer) found broken or gone,
@@ -435,14 +483,23 @@ class TcpTransport(Transport):
             ) from None
 
     def close(self, linger: float = 2.0) -> None:
-        """Say goodbye to every peer, wait up to ``linger`` s for theirs, then close."""
+        """Say goodbye to every peer, wait up to ``linger`` s for theirs, then close.
+
+        Bounded whatever the number of peers that no longer read (a host that vanished with a
+        write to it in flight): goodbyes go to every peer at once and get
+        :data:`_GOODBYE_WRITE_S` together, then the peers' goodbyes get ``linger`` together.
+        (One peer after the other, each goodbye blocked behind a dead write waited 2.5 s: 5 s for
+        the two ranks of a vanished host, minutes for a large one.)"""
         if self.closed:
             return
         self.closed = True
-        for peer in self._peers.values():
-            peer.say_goodbye()
+        peers = list(self._peers.values())
+        byes = [peer.start_goodbye() for peer in peers]
+        deadline = time.monotonic() + _GOODBYE_WRITE_S
+        for peer, work in zip(peers, byes, strict=True):
+            peer.end_goodbye(work, deadline)
         deadline = time.monotonic() + linger
-        for peer in self._peers.values():
+        for peer in peers:
             peer.close(deadline)
 
 
@@ -477,9 +534,11 @@ def _data_secret(rank: int, store: object, prefix: str, timeout: float) -> bytes
 
 def create(
     rank: int, size: int, store: object, config: object, prefix: str = "",
-    secret: bytes | None = None,
+    secret: bytes | None = None, hostname: str = "",
 ) -> TcpTransport:
-    """Connect rank ``rank`` of ``size`` to every other rank; returns when all are connected."""
+    """Connect rank ``rank`` of ``size`` to every other rank; returns when all are connected.
+    ``hostname`` is this rank's host as its errors on other ranks name it (default: the
+    machine's host name)."""
     timeout = float(getattr(config, "timeout_s", 30.0))
     if secret is None:
         secret = _data_secret(rank, store, prefix, timeout) if size > 1 else b""
@@ -490,10 +549,13 @@ def create(
     listener.bind((_bind_host(config, store), 0))
     listener.listen(max(size, 128))
     host, port = listener.getsockname()
-    store.set(f"{prefix}tcp/{rank}", f"{host}:{port}".encode())  # type: ignore[attr-defined]
+    name = _host_name(hostname or socket.gethostname())
+    store.set(f"{prefix}tcp/{rank}",  # type: ignore[attr-defined]
+              f"{host}:{port} {name.decode()}".encode())
 
     socks: dict[int, socket.socket] = {}
     accepted: dict[int, socket.socket] = {}
+    hosts: dict[int, str] = {}
     errors: list[BaseException] = []
     expected = set(range(rank + 1, size))
     all_in = threading.Event()
@@ -512,11 +574,13 @@ def create(
             (peer,) = _RANK.unpack(wire.recv_exact(conn, _RANK.size))
             if peer not in expected:
                 raise ProtocolError(f"a connection claimed rank {peer}, not expected here")
+            (length,) = wire.recv_exact(conn, 1)
+            hosts[peer] = bytes(wire.recv_exact(conn, length)).decode(errors="replace")
         except (RingflowError, OSError) as exc:
             rejected(addr, str(exc))
             conn.close()
             return
-        _tune(conn)
+        _tune(conn, timeout)
         expected.discard(peer)
         accepted[peer] = conn
         if not expected:
@@ -526,12 +590,13 @@ def create(
                              rejected, name=f"ringflow-accept-{rank}", limit=4 * size + 16)
     try:
         for peer in range(rank):
-            addr = store.get(f"{prefix}tcp/{peer}", timeout).decode()  # type: ignore[attr-defined]
+            value = store.get(f"{prefix}tcp/{peer}", timeout).decode()  # type: ignore[attr-defined]
+            addr, _, hosts[peer] = value.partition(" ")
             phost, pport = addr.rsplit(":", 1)
             conn = socket.create_connection((phost, int(pport)), timeout=timeout)
-            _tune(conn)
+            _tune(conn, timeout)
             wire.client_handshake(conn, secret, timeout)
-            conn.sendall(_RANK.pack(rank))
+            conn.sendall(_RANK.pack(rank) + bytes([len(name)]) + name)
             socks[peer] = conn
         if not all_in.wait(timeout):
             errors.append(RingflowTimeoutError(
@@ -548,12 +613,34 @@ def create(
     socks.update(accepted)
     for s in socks.values():
         s.settimeout(None)
-    return TcpTransport(rank, size, socks, timeout)
+    return TcpTransport(rank, size, socks, timeout, hosts)
 
 
-def _tune(sock: socket.socket) -> None:
+def _host_name(name: str) -> bytes:
+    """``name`` as it travels in the rank's hello: UTF-8, no spaces, at most 255 bytes."""
+    return "_".join(name.split())[:255].encode()[:255]
+
+
+def _tune(sock: socket.socket, timeout: float) -> None:
     # Socket buffers stay with the kernel's autotuning: explicit SO_SNDBUF/SO_RCVBUF (which turn
     # it off) were no faster in benchmarks/tcp_tuning.py (engine path, loopback, medians of 5
     # runs, 64 MiB on 2 / 4 ranks: auto 103 / 261 ms, 256 KiB 137 / 257, 1 MiB 109 / 232,
     # 4 MiB 106 / 242 ms; benchmarks/RESULTS.md), and 256 KiB was slower on 2 ranks.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # A link that was down comes back unnoticed until TCP's next retransmission, and its
+    # backoff doubles from 0.2 s: a 5 s outage resumed after 6.2 s, an 8 s one after 12.6 s --
+    # past a 10 s RINGFLOW_TIMEOUT_S, so a job failed on a link that had been back for 4 s
+    # (tests/multihost/test_link_faults.py). Capped at 1 s (the least Linux takes), the
+    # connection resumes within a second of the link, and a job rides through any outage
+    # shorter than timeout_s minus about 2 s. Linux 6.15+; elsewhere the backoff stays.
+    # The kernel gives up on a connection after tcp_retries2 (15) retransmissions, a budget it
+    # computes with this ceiling: 15 s instead of ~15 min, so that with the default 30 s
+    # timeout an outage of 15-30 s ended the job at 15 s ("stopped responding"; measured)
+    # rather than being ridden through. TCP_USER_TIMEOUT gives it back its ~15 minutes (and
+    # never less than twice the longest data wait): ringflow's heartbeats decide, at timeout_s.
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, 1000)
+    except OSError:
+        return
+    limit_s = max(_TCP_GIVE_UP_S, 2 * data_wait_s(timeout))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(limit_s * 1000))

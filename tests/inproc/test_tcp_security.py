@@ -37,7 +37,7 @@ def _start_rank0(store: MemoryStore) -> tuple[threading.Thread, list]:
 
 
 def _rank0_addr(store: MemoryStore) -> tuple[str, int]:
-    host, port = store.get("tcp/0", 5.0).decode().rsplit(":", 1)
+    host, port = store.get("tcp/0", 5.0).decode().split()[0].rsplit(":", 1)
     return host, int(port)
 
 
@@ -123,7 +123,7 @@ def _fake_peer(store: MemoryStore) -> tuple[tcp.TcpTransport, socket.socket, lis
     thread, out = _start_rank0(store)
     sock = _raw(_rank0_addr(store))
     wire.client_handshake(sock, SECRET, 5.0)
-    sock.sendall(struct.pack("!Q", 1))
+    sock.sendall(struct.pack("!Q", 1) + b"\x04fake")  # its rank, then its host's name
     thread.join(10)
     failures: list = []
     out[0].set_ctrl_handler(lambda src, payload: None, lambda rank, err: failures.append(err))
@@ -170,6 +170,6 @@ def test_peer_that_dies_fails_pending_receives_at_once():
     t, sock, _ = _fake_peer(MemoryStore(10.0))
     work = t.irecv(memoryview(bytearray(8)), 1)
     sock.close()
-    with pytest.raises(PeerError, match="lost rank 1: the connection was closed"):
+    with pytest.raises(PeerError, match="lost rank 1 on host fake: the connection was closed"):
         work.wait()
     t.close(linger=0)

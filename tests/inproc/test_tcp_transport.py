@@ -131,4 +131,4 @@ def test_a_failed_write_never_waits_in_a_caller_that_blocks_the_reader():
     stalled, errors, failures_seen = testing.run_ranks(2, body, transport="tcp", deadline=30)[0]
     assert not stalled
     assert set(errors) <= {"PeerError"}, errors
-    assert failures_seen == [str(tcp.lost(1))], failures_seen
+    assert failures_seen == [str(tcp.lost(1, socket.gethostname()))], failures_seen

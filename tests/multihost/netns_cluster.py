@@ -21,6 +21,14 @@ failure included: processes in the namespaces, the namespaces, the bridge, the d
 :func:`on_host` runs a command as one of the hosts, :func:`ringflow_run` builds the launcher's
 command line for a cluster, :func:`shaped` limits every
 host's link with ``tc``, and :func:`link_bytes` reads a host's link counters from outside.
+
+Faults (issue 32, tests/multihost/test_link_faults.py): :func:`set_link` takes a host's switch
+port down or up (a cable pulled), :func:`vanish` removes it (the host is gone without a word, as
+on a power loss: its sockets are never closed), :func:`impaired` loses, delays and reorders what
+a host receives, and :func:`one_way` drops what one host sends to another. The kernels here are
+built without ``tc``'s netem (``CONFIG_NET_SCH_NETEM``), so :func:`impaired` uses netfilter:
+the ``statistic`` match for loss and a queue to userspace (``netem.py``) for delay and order;
+both need ``iptables-legacy`` (:data:`IMPAIR_HINT`).
 """
 
 from __future__ import annotations
@@ -39,6 +47,11 @@ from collections.abc import Iterator
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 INSTALL_HINT = "apt-get update && apt-get install -y openssh-server openssh-client"
+#: The legacy tables: this kernel's nf_tables lacks the queue expression that iptables-nft would
+#: translate ``-j NFQUEUE`` into (``CONFIG_NFT_QUEUE``), while the xtables target is built in.
+IPTABLES = shutil.which("iptables-legacy")
+IMPAIR_HINT = "apt-get install -y iptables"
+NETEM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netem.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +121,10 @@ def cluster(n: int = 2) -> Iterator[Cluster]:
     try:
         _ip("link", "add", tag, "type", "bridge")
         undo.append(("link", "del", tag))
+        # A bridge takes the lowest MAC address of its ports unless given one: removing a host's
+        # port (a host that vanishes) would change it, and the other hosts' ARP entries for the
+        # bridge's address (the launcher's store) would point nowhere for ~30 s.
+        _ip("link", "set", tag, "address", f"02:00:00:77:{os.getpid() % 250 + 1:02x}:fe")
         _ip("addr", "add", f"{subnet}.254/24", "dev", tag)
         _ip("link", "set", tag, "up")
         for i, (ns, addr) in enumerate(zip(namespaces, addresses, strict=True), start=1):
@@ -245,3 +262,112 @@ def shaped(c: Cluster, rate: str = "1gbit", burst: str = "256kb",
     finally:
         for cmd in reversed(done):
             subprocess.run(cmd, check=False, capture_output=True, timeout=20)
+
+
+def _run(cmd: list[str], check: bool = True) -> None:
+    subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=20)
+
+
+def set_link(c: Cluster, i: int, up: bool) -> None:
+    """Take host ``i``'s switch port down (as if its cable were pulled) or up again. The host
+    keeps its address and routes; its packets go nowhere meanwhile."""
+    _ip("link", "set", c.links[i], "up" if up else "down")
+
+
+def vanish(c: Cluster, i: int) -> None:
+    """Host ``i`` leaves the network without a word, as on a power loss: its veth pair is
+    deleted, so nothing it had open is ever closed or reset, and nothing reaches it. Its
+    processes live on, cut off (they are the namespace's, removed by :func:`cluster`)."""
+    _ip("link", "del", c.links[i])
+
+
+def impair_unavailable() -> str | None:
+    """Why :func:`impaired` and :func:`one_way` cannot run here, or None."""
+    if IPTABLES is None:
+        return f"iptables-legacy is missing ({IMPAIR_HINT})"
+    return None
+
+
+@contextlib.contextmanager
+def impaired(c: Cluster, hosts: tuple[int, ...], *, loss: float = 0.0, delay_ms: float = 0.0,
+             jitter_ms: float = 0.0, reorder: float = 0.0, seed: int = 1) -> Iterator[dict]:
+    """Impair what each of ``hosts`` receives on its link, as ``tc netem`` would on the
+    sender's side: every packet between two impaired hosts is impaired once.
+
+    * ``loss``: the kernel's ``-m statistic --mode random`` drop. Like netem, it acts per
+      packet as the stack holds it, and a TCP burst of up to 64 KiB (GSO) is one packet there:
+      the fraction of bytes lost is ``loss``, in bursts.
+    * ``delay_ms`` ± ``jitter_ms`` (uniform), ``reorder`` (that fraction goes at once, ahead of
+      the delayed ones): ``netem.py`` behind an NFQUEUE rule, per wire packet, at up to about
+      10 MiB/s. On the receiving side, because a packet held on the sender's side still counts
+      against its socket (TCP small queues), which slows TCP to a crawl under a 50 ms hold.
+
+    Yields ``{host: "lost=N lost_bytes=B queued=N dropped=N"}``, filled in on exit: what the
+    loss rule dropped, what the queue program saw.
+    Removed on exit, failure included.
+    """
+    if IPTABLES is None:
+        raise RuntimeError(f"impairing links needs iptables-legacy: {IMPAIR_HINT}")
+    rules: list[tuple[str, list[str]]] = []  # (namespace, match and target in raw PREROUTING)
+    queues: dict[int, subprocess.Popen[str]] = {}
+    counts: dict[int, str] = {}
+
+    def iptables(ns: str, op: str, rule: list[str], check: bool = True) -> None:
+        _run(["ip", "netns", "exec", ns, IPTABLES, "-t", "raw", op, "PREROUTING", "-i",
+              c.interface, *rule], check=check)
+
+    try:
+        for i in hosts:
+            ns = c.namespaces[i]
+            if delay_ms or reorder:
+                proc = subprocess.Popen(
+                    ["ip", "netns", "exec", ns, sys.executable, NETEM, "--queue", "0",
+                     "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms),
+                     "--reorder", str(reorder), "--seed", str(seed + i)],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                queues[i] = proc
+                if proc.stdout is None or proc.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"netem.py did not start: {proc.communicate()[1]}")
+            if loss:  # first: a packet lost is never queued
+                rule = ["-m", "statistic", "--mode", "random", "--probability", f"{loss:g}",
+                        "-j", "DROP"]
+                iptables(ns, "-A", rule)
+                rules.append((ns, rule))
+            if i in queues:
+                rule = ["-j", "NFQUEUE", "--queue-num", "0"]
+                iptables(ns, "-A", rule)
+                rules.append((ns, rule))
+        yield counts
+    finally:
+        for i in hosts if loss else ():
+            listed = subprocess.run(
+                ["ip", "netns", "exec", c.namespaces[i], IPTABLES, "-t", "raw", "-vxnL",
+                 "PREROUTING"], capture_output=True, text=True, timeout=20).stdout
+            for line in listed.splitlines():
+                if "DROP" in line and "statistic" in line:
+                    pkts, size = line.split()[:2]
+                    counts[i] = f"lost={pkts} lost_bytes={size}"
+        for ns, rule in reversed(rules):  # before the queue's reader goes: it drops the rest
+            iptables(ns, "-D", rule, check=False)
+        for i, proc in queues.items():
+            proc.terminate()
+            try:
+                counts[i] = " ".join(filter(None, [counts.get(i, ""),
+                                                   proc.communicate(timeout=10)[1].strip()]))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+@contextlib.contextmanager
+def one_way(c: Cluster, src: int, dst: int) -> Iterator[None]:
+    """Everything host ``src`` sends to host ``dst`` is dropped, silently (as by a broken
+    link in one direction); ``dst`` to ``src`` still flows. Removed on exit."""
+    if IPTABLES is None:
+        raise RuntimeError(f"a one-way partition needs iptables-legacy: {IMPAIR_HINT}")
+    rule = ["OUTPUT", "-o", c.interface, "-d", c.addresses[dst], "-j", "DROP"]
+    _run(["ip", "netns", "exec", c.namespaces[src], IPTABLES, "-A", *rule])
+    try:
+        yield
+    finally:
+        _run(["ip", "netns", "exec", c.namespaces[src], IPTABLES, "-D", *rule], check=False)

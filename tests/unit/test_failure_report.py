@@ -51,6 +51,29 @@ def test_a_stopped_rank_that_said_nothing_beats_ranks_that_all_failed_because_of
     assert got is not None and (got.rank, got.returncode, also) == (1, -9, (0, 2))
 
 
+@pytest.mark.parametrize(("remote", "text"), [
+    # ssh's 255 once the launcher stopped its client says nothing of the rank: not the hint
+    # to check ssh's configuration, but what a silent stopped rank means.
+    (True, "ringflow-run: rank 1 on host h2 stopped responding: it did not exit when the job "
+           "failed and left no status in the job's store; it froze, or host h2 became "
+           "unreachable (ringflow-run stopped it)"),
+    (False, "ringflow-run: rank 1 on host h2 stopped responding: it did not exit when the job "
+            "failed and left no status in the job's store; it froze (ringflow-run stopped it)"),
+])
+def test_a_silent_stopped_rank_is_reported_as_frozen_or_unreachable(remote, text):
+    stopped = [WorkerExit(1, "h2", 255, remote=remote)]
+    got, also = root_cause(exits(0), stopped, {0: PEER}.get)
+    assert got is not None and also == (0,)
+    assert JobResult(255, (None, None), got, secondary=also).report().splitlines()[0] == text
+
+
+def test_a_stopped_rank_that_crashed_says_so_whatever_its_exit_code():
+    got, _ = root_cause(exits(0), [WorkerExit(1, "h2", 255, remote=True)],
+                        {0: PEER, 1: CRASHED}.get)
+    assert got is not None
+    assert got.describe() == "rank 1 on host h2 failed, then did not exit; ringflow-run stopped it"
+
+
 def test_no_failure_no_root_cause():
     assert root_cause([], exits(0), {0: CRASHED}.get) == (None, ())
 
