@@ -56,6 +56,7 @@ from collections.abc import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "multihost"))
 import netns_cluster  # noqa: E402
+import records  # noqa: E402  (this directory's: a script's first path)
 
 WORKER = os.path.join(ROOT, "tests", "multihost", "allreduce_worker.py")
 CEILING = 1448 / 1514
@@ -272,6 +273,7 @@ def main() -> int:
     if not args.no_gloo:
         head += ["gloo s", "gloo: bound / time", "gloo time / ringflow time"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    fractions: dict[str, dict[str, float]] = {}
     for n in args.hosts:
         bound = 2 * (n - 1) / n * nbytes * 8 / bps
         if not runs.get(f"ringflow/{n}") or not (args.no_gloo or runs.get(f"gloo/{n}")):
@@ -281,11 +283,17 @@ def main() -> int:
         rf_b = [b / (2 * (n - 1) / n * nbytes) for _, b in runs[f"ringflow/{n}"]]
         row = [str(n), f"{bound:.3f}", _med(rf_t), f"{bound / statistics.median(rf_t):.3f}",
                f"{statistics.median(rf_b):.3f}"]
+        fractions[str(n)] = {"ringflow": bound / statistics.median(rf_t)}
         if not args.no_gloo:
             gl_t = [t for t, _ in runs[f"gloo/{n}"]]
             row += [_med(gl_t), f"{bound / statistics.median(gl_t):.3f}",
                     f"{statistics.median(gl_t) / statistics.median(rf_t):.2f}"]
+            fractions[str(n)]["gloo"] = bound / statistics.median(gl_t)
         print("| " + " | ".join(row) + " |")
+    # figures: per host count, the fraction of the ring bound each reached (median of jobs)
+    records.append("multihost", {"mib": args.mib, "rate": args.rate, "hosts": fractions},
+                   ["--hosts", *map(str, args.hosts), "--mib", str(args.mib), "--repeats",
+                    str(args.repeats)])
     print(f"\nCeiling for TCP over MTU 1500: {CEILING:.3f} of the bound.\n")
     if args.plot:
         plot(args.plot, runs, args.hosts, nbytes, bps, args.rate)
