@@ -164,7 +164,7 @@ def nccl_providers() -> dict[str, str]:
     from .algorithms import nccl
 
     why = {"cupy": nccl.unusable_reason()}
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:  # None: the import was halted on purpose
         from .algorithms import nccl_torch
 
         why["torch"] = nccl_torch.unusable_reason()
