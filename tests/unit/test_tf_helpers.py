@@ -70,8 +70,19 @@ def test_backward_passes_per_step_must_be_positive() -> None:
 
 def test_sparse_allreduce_rejects_min() -> None:
     slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))
-    with pytest.raises(TensorError, match="supports op Sum or Average, not MIN"):
-        hvd.allreduce(slices, op=hvd.Min)
+    for op in (hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):
+        # Horovod's TensorFlow raises NotImplementedError; ringflow's error is also a TensorError
+        with pytest.raises(TensorError, match=f"supports op Sum or Average, not {op.name}"):
+            hvd.allreduce(slices, op=op)
+        with pytest.raises(NotImplementedError):
+            hvd.grouped_allreduce([tf.ones([2]), slices], op=op)
+
+
+def test_sparse_allreduce_rejects_scale_factors() -> None:
+    slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))
+    for scales in ({"prescale_factor": 0.5}, {"postscale_factor": 2.0}):
+        with pytest.raises(NotImplementedError, match="pre/postscale_factor are not supported"):
+            hvd.allreduce(slices, op=hvd.Sum, **scales)
 
 
 def test_object_helpers_refuse_graph_mode() -> None:
