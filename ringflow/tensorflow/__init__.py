@@ -44,7 +44,6 @@ import ringflow as _core
 from ringflow import (
     Adasum,
     Average,
-    Compression,
     Max,
     Min,
     ProcessSet,
@@ -81,6 +80,7 @@ from ringflow.build import (
 from ringflow.compression import Compressor
 from ringflow.errors import HorovodInternalError, HostsUpdatedInterrupt, UnsupportedError
 
+from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_object_fn, broadcast_variables
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .mpi_ops import (

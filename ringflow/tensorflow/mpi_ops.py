@@ -39,10 +39,11 @@ import tensorflow as tf
 import ringflow as _core
 from ringflow import ProcessSet, ReduceOp, Sum, global_process_set
 from ringflow import _adapter as kit
-from ringflow.compression import Compression, Compressor
+from ringflow.compression import Compressor
 from ringflow.errors import RingflowError, TensorError
 
 from . import status
+from .compression import Compression
 
 __all__ = [
     "_allreduce",

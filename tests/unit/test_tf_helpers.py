@@ -3,6 +3,7 @@ contractual error messages raised before any collective starts."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
@@ -10,6 +11,7 @@ keras = pytest.importorskip("keras")
 
 import ringflow.tensorflow as hvd  # noqa: E402
 import ringflow.tensorflow.keras as hvd_keras  # noqa: E402
+from ringflow.compression import Compressor  # noqa: E402
 from ringflow.errors import ConfigError, RingflowError, TensorError  # noqa: E402
 from ringflow.tensorflow import gradient_tape, mpi_ops  # noqa: E402
 from ringflow.tensorflow.keras import optimizer as keras_optimizer  # noqa: E402
@@ -89,6 +91,29 @@ def test_object_helpers_refuse_graph_mode() -> None:
     for fn in (lambda: hvd.broadcast_object(1), lambda: hvd.allgather_object(1)):
         with pytest.raises(TensorError, match=r"cannot run inside tf\.function"):
             tf.function(fn, autograph=False)()
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_compression_casts_tensorflow_tensors(graph: bool) -> None:
+    """Horovod's ``Compression.fp16.compress/decompress`` on tensors, eagerly and in a graph."""
+    def run(fn):
+        return tf.function(fn)() if graph else fn()
+
+    for dtype, wire in ((tf.float64, tf.float16), (tf.float32, tf.float16),
+                        (tf.float16, tf.float16), (tf.int32, tf.int32), (tf.bool, tf.bool)):
+        def roundtrip(dtype=dtype, wire=wire):
+            compressed, ctx = hvd.Compression.fp16.compress(tf.ones([3, 2], dtype))
+            assert compressed.dtype == wire
+            out = hvd.Compression.fp16.decompress(compressed, ctx)
+            assert out.dtype == dtype
+            return out
+
+        assert run(roundtrip).numpy().tolist() == [[1, 1]] * 3
+    same, ctx = hvd.Compression.none.compress(tf.ones([2], tf.float64))
+    assert same.dtype == tf.float64 and hvd.Compression.none.decompress(same, ctx) is same
+    half, ctx = hvd.Compression.fp16.compress(np.ones(2))  # numpy keeps the core's behaviour
+    assert half.dtype == np.float16 and hvd.Compression.fp16.decompress(half, ctx).dtype == "f8"
+    assert isinstance(hvd.Compression.bf16, Compressor)  # still handed to the engine
 
 
 def test_broadcast_global_variables_points_to_the_callback() -> None:
