@@ -81,7 +81,14 @@ from ringflow.compression import Compressor
 from ringflow.errors import HorovodInternalError, HostsUpdatedInterrupt, UnsupportedError
 
 from .compression import Compression
-from .functions import allgather_object, broadcast_object, broadcast_object_fn, broadcast_variables
+from .functions import (
+    allgather_object,
+    broadcast_,
+    broadcast_global_variables,
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
+)
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .mpi_ops import (
     _SETS,
@@ -132,6 +139,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_global_variables",
     "broadcast_object",
     "broadcast_object_fn",
     "broadcast_variables",
@@ -305,9 +313,3 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
     return kit.compressed(compression, [tf.convert_to_tensor(t) for t in tensors], reduce)
 
 
-@_plain
-def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
-    """Broadcast ``variables`` in place from ``root_rank``; returns their new values."""
-    return broadcast_variables(variables, root_rank, process_set=process_set, inplace=True,
-                               name=name)

@@ -87,10 +87,17 @@ def test_sparse_allreduce_rejects_scale_factors() -> None:
             hvd.allreduce(slices, op=hvd.Sum, **scales)
 
 
-def test_object_helpers_refuse_graph_mode() -> None:
+def test_object_helpers_refuse_tf_function() -> None:
     for fn in (lambda: hvd.broadcast_object(1), lambda: hvd.allgather_object(1)):
         with pytest.raises(TensorError, match=r"cannot run inside tf\.function"):
             tf.function(fn, autograph=False)()
+
+
+def test_broadcast_global_variables_is_for_graph_mode() -> None:
+    with pytest.raises(RuntimeError, match="does not support eager execution"):
+        hvd.broadcast_global_variables(0)
+    with tf.Graph().as_default():
+        assert hvd.broadcast_global_variables(0).type == "NoOp"  # no global variables: no op
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
