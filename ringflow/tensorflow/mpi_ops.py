@@ -197,7 +197,10 @@ class _TFOps:
         return x * tf.constant(factor, x.dtype)  # tf.cast of a float goes through float32
 
     def zeros_like(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.zeros_like(x)
+        # Zeros that still read x (tf.zeros_like of a static shape is a constant): a broadcast's
+        # gradient off the root must depend on its allreduce, or a TF1 session.run prunes that
+        # collective on those ranks only and the root waits for them forever.
+        return tf.raw_ops.ZerosLike(x=x)
 
     def own_rows(self, xs: list[tf.Tensor], rows: Any, process_set: ProcessSet,
                  name: str | None) -> list[tf.Tensor]:
