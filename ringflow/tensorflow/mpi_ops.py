@@ -428,20 +428,20 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     """Send ``splits[d]`` rows to rank ``d`` of the set; receive rows from every rank.
 
     Returns the received rows, or (rows, received splits) when ``splits`` was given (Horovod's
-    convention). Without ``splits`` the rows are divided evenly, lower ranks taking the remainder.
+    convention). Without ``splits`` every rank gets an equal share of the rows; a first dimension
+    that is not a multiple of the set's size fails on every rank (Horovod's rule).
     """
     tensor = tf.convert_to_tensor(tensor)
     op_name = _op_name("Alltoall", [tensor], name, ignore_name_scope)
     n = process_set.size()
-    if splits is None:
-        rows = tf.shape(tensor, out_type=tf.int32)[0]
-        splits_t = rows // n + tf.cast(tf.range(n) < rows % n, tf.int32)
-    else:
-        splits_t = tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int32)
+    # No splits travel as an empty tensor (as in Horovod's op); the core then divides evenly.
+    splits_t = tf.cast(tf.reshape(tf.convert_to_tensor([] if splits is None else splits), [-1]),
+                       tf.int32)
 
     def run(array: np.ndarray, split: np.ndarray) -> list[np.ndarray]:
-        rows, received = _core.alltoall(array, [int(s) for s in split], name=op_name,
-                                        process_set=process_set)
+        rows, received = _core.alltoall(
+            array, None if splits is None else [int(s) for s in split], name=op_name,
+            process_set=process_set)
         return [rows, np.asarray(received, np.int32)]
 
     def shape(out: tf.Tensor, x: tf.Tensor) -> None:
