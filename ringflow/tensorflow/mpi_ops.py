@@ -416,7 +416,10 @@ def scatter(tensors: Sequence[Any] | None, root_rank: int, name: str | None = No
         return [out]
 
     if dtype is None:  # eagerly, off the root: whatever arrives
-        return tf.convert_to_tensor(run()[0])
+        try:
+            return tf.convert_to_tensor(run()[0])
+        except RingflowError as exc:
+            raise status.typed(exc) from exc
     return _call(run, pieces, [tf.as_dtype(dtype)], op_name)[0]
 
 
@@ -505,7 +508,10 @@ def barrier(process_set: ProcessSet = global_process_set) -> Any:
     Eagerly it returns None; in a graph, the barrier op (to use as a control dependency).
     """
     if tf.executing_eagerly():
-        _core.barrier(process_set=process_set)
+        try:
+            _core.barrier(process_set=process_set)
+        except RingflowError as exc:
+            raise status.typed(exc) from exc
         return None
 
     def run() -> list[np.ndarray]:
