@@ -133,6 +133,22 @@ def graph_names_are_the_same_on_every_rank() -> None:
           [v[:6] for v in everyone])
 
 
+def collectives_of_earlier_runs_fetched_again() -> None:
+    """A TF1 graph's collectives are one chain in trace order across session.run calls, so a run
+    that fetches earlier collectives again with a new one (Horovod's fused tests) runs them in
+    that order on every rank. Starting a new chain after each run deadlocked here: independent
+    blocking ops, scheduled differently by rank, once they take every executor thread."""
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=2)
+    with tf.Graph().as_default(), tf.compat.v1.Session(config=config) as sess:
+        outs = []
+        for i in range(12):
+            outs.append(hvd.allgather(tf.fill([1, 2], float(r + i))))
+            got = sess.run(outs)
+            close(f"earlier collectives fetched again, step {i}", got,
+                  [np.repeat(np.arange(n, dtype=np.float64) + j, 2).reshape(n, 2)
+                   for j in range(i + 1)])
+
+
 def inplace_broadcast_in_a_session() -> None:
     from tensorflow.python.ops import resource_variable_ops
     from tensorflow.python.ops.ref_variable import RefVariable
@@ -179,6 +195,7 @@ each_mode("sparse_integer_average", sparse_integer_average)
 each_mode("compression", compression)
 run("broadcast_gradient_in_a_session", broadcast_gradient_in_a_session)
 run("graph_names_are_the_same_on_every_rank", graph_names_are_the_same_on_every_rank)
+run("collectives_of_earlier_runs_fetched_again", collectives_of_earlier_runs_fetched_again)
 run("inplace_broadcast_in_a_session", inplace_broadcast_in_a_session)
 run("global_variables_in_a_session", global_variables_in_a_session)
 run("objects_in_a_graph", objects_in_a_graph)
