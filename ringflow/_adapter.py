@@ -53,6 +53,7 @@ import numpy as np
 
 from . import ProcessSet, global_process_set, rank
 from .compression import Compression, Compressor
+from .errors import TensorError, UnsupportedError
 from .ops import ReduceOp
 
 try:  # cloudpickle handles lambdas and local classes, as in Horovod; pickle otherwise
@@ -61,7 +62,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _pickler = pickle  # type: ignore[assignment]
 
 __all__ = [
-    "GRADIENTS", "Invalid", "Ops", "Spec", "allgather_object", "broadcast_object",
+    "GRADIENTS", "Invalid", "Ops", "SparseOpError", "Spec", "allgather_object", "broadcast_object",
     "compressed", "grad_name", "op_name", "resolve_op",
     "sparse_scale",
 ]
@@ -254,6 +255,11 @@ GRADIENTS: dict[str, Callable[[Ops[Any], list[Any], Spec], list[Any]]] = {
 
 
 # sparse ------------------------------------------------------------------------------------------
+class SparseOpError(TensorError, UnsupportedError):
+    """A sparse allreduce with an op other than Sum or Average: a ``ValueError`` (a misuse) and a
+    ``NotImplementedError``, the class Horovod's TensorFlow ``allreduce`` raises for it."""
+
+
 def sparse_scale(op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet,
                  name: str | None) -> float:
     """The factor of the gathered values of a sparse allreduce.
@@ -261,17 +267,18 @@ def sparse_scale(op: ReduceOp, prescale: float, postscale: float, process_set: P
     A sparse tensor (torch COO, ``tf.IndexedSlices``) is reduced as Horovod does it: every rank's
     values and indices are allgathered, so the represented dense tensors add up (duplicate
     indices included); Average divides the values by the set size, and the scale factors
-    multiply them. Horovod treats any other op as Sum; ringflow refuses it (at the call, on
-    every rank alike), since the result would silently not be a Min/Max/Product.
+    multiply them (torch; ``ringflow.tensorflow`` refuses scale factors and divides, as Horovod's
+    TensorFlow does). Horovod's torch treats any other op as Sum and its TensorFlow raises
+    NotImplementedError; ringflow refuses it in both (at the call, on every rank alike), since
+    the result would silently not be a Min/Max/Product.
 
     Raises:
-        TensorError: ``op`` is not Sum or Average.
+        SparseOpError: ``op`` is not Sum or Average (a TensorError and a NotImplementedError).
     """
-    from .errors import TensorError
-
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise TensorError(f"allreduce of the sparse tensor {name or '(unnamed)'} supports op Sum "
-                          f"or Average, not {op.name}; densify it first (sparse_as_dense=True)")
+        raise SparseOpError(f"allreduce of the sparse tensor {name or '(unnamed)'} supports op "
+                            f"Sum or Average, not {op.name}; densify it first "
+                            "(sparse_as_dense=True)")
     return prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
 
 

@@ -44,7 +44,6 @@ import ringflow as _core
 from ringflow import (
     Adasum,
     Average,
-    Compression,
     Max,
     Min,
     ProcessSet,
@@ -79,9 +78,17 @@ from ringflow.build import (
     rocm_built,
 )
 from ringflow.compression import Compressor
-from ringflow.errors import HorovodInternalError, HostsUpdatedInterrupt
+from ringflow.errors import HorovodInternalError, HostsUpdatedInterrupt, UnsupportedError
 
-from .functions import allgather_object, broadcast_object, broadcast_object_fn, broadcast_variables
+from .compression import Compression
+from .functions import (
+    allgather_object,
+    broadcast_,
+    broadcast_global_variables,
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
+)
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .mpi_ops import (
     _SETS,
@@ -132,6 +139,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_global_variables",
     "broadcast_object",
     "broadcast_object_fn",
     "broadcast_variables",
@@ -207,23 +215,40 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     is reduced without densifying it; Average divides the gathered values by the set size.
 
     Raises:
-        TensorError: a sparse tensor with an op other than Sum or Average.
+        SparseOpError: a sparse tensor with an op other than Sum or Average (a TensorError and,
+            as in Horovod, a NotImplementedError).
+        UnsupportedError: a sparse tensor with scale factors (Horovod's NotImplementedError).
     """
     reduce_op = kit.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        scale = kit.sparse_scale(reduce_op, prescale_factor, postscale_factor, process_set, name)
-        values, indices = grouped_allgather(
-            [tensor.values, tensor.indices], kit.op_name("sparse", name), ignore_name_scope,
-            process_set)
-        if scale != 1.0:
-            values = values * tf.constant(scale, values.dtype)
-        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+        return _sparse_allreduce(tensor, reduce_op, prescale_factor, postscale_factor, name,
+                                 process_set, ignore_name_scope)
 
     def reduce(xs: Sequence[tf.Tensor], core: Compressor) -> list[tf.Tensor]:
         return [_allreduce(xs[0], name, reduce_op, prescale_factor, postscale_factor,
                            ignore_name_scope, process_set, core)]
 
     return kit.compressed(compression, [tf.convert_to_tensor(tensor)], reduce)[0]
+
+
+def _sparse_allreduce(tensor: tf.IndexedSlices, op: ReduceOp, prescale_factor: float,
+                      postscale_factor: float, name: str | None, process_set: ProcessSet,
+                      ignore_name_scope: bool) -> tf.IndexedSlices:
+    """Horovod's allreduce of ``tf.IndexedSlices``: allgather values and indices; Average
+    divides the values by the set size (``/``: integer values become floating point, as in
+    Horovod). Both refusals happen before any collective, so on every rank alike."""
+    kit.sparse_scale(op, 1.0, 1.0, process_set, name)  # Sum or Average only
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise UnsupportedError(
+            f"allreduce of the tf.IndexedSlices {name or '(unnamed)'}: pre/postscale_factor are "
+            f"not supported with tf.IndexedSlices (got {prescale_factor}, {postscale_factor}), as "
+            "in Horovod; scale the values, or pass sparse_as_dense=True")
+    values, indices = grouped_allgather(
+        [tensor.values, tensor.indices], kit.op_name("sparse", name), ignore_name_scope,
+        process_set)
+    if op == ReduceOp.AVERAGE:
+        values = values / tf.cast(process_set.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
 
 
 @_plain
@@ -288,9 +313,3 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
     return kit.compressed(compression, [tf.convert_to_tensor(t) for t in tensors], reduce)
 
 
-@_plain
-def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
-    """Broadcast ``variables`` in place from ``root_rank``; returns their new values."""
-    return broadcast_variables(variables, root_rank, process_set=process_set, inplace=True,
-                               name=name)

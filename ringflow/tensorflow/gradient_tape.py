@@ -28,9 +28,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from ringflow import Average, Compression, ProcessSet, ReduceOp, global_process_set
+from ringflow import Average, ProcessSet, ReduceOp, global_process_set
 from ringflow.batching import GradientBatcher
 from ringflow.errors import TensorError
+
+from .compression import Compression
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "allreduce_gradients"]
 

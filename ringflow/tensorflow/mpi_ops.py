@@ -1,10 +1,11 @@
 """TensorFlow ops over the ringflow core: collectives that run eagerly and inside ``tf.function``.
 
-Each collective is a ``tf.numpy_function`` (graph mode) or a direct call (eager mode) into the
+Each collective is a ``tf.py_function`` (graph mode) or a direct call (eager mode) into the
 numpy core, wrapped in ``tf.custom_gradient`` so that it is differentiable. Op resolution,
 compression dispatch and the gradient rule of every collective are the adapter kit's
 (:mod:`ringflow._adapter`), shared with ``ringflow.torch``; :class:`_TFOps` is how the kit's
-rules run on TensorFlow tensors.
+rules run on TensorFlow tensors. Host tensors reach the core without a copy (``np.asarray``), and
+aligned results the core allocated become tensors without one (DLPack).
 
 Naming. Ranks match operations by name, so every op instance needs a name that is the same on
 every rank and distinct from every other op in flight. Eagerly, a given ``name`` travels as
@@ -13,9 +14,10 @@ call-order name. In a graph, the name is fixed at trace time: ``name`` or
 ``Horovod<Op>_<tensor name>``, under the current name scope and made unique within the graph,
 exactly as TensorFlow names the op itself. Gradient ops take the forward name plus ``.grad``.
 
-Errors. Eagerly a failed collective raises ringflow's own error (a ``HorovodInternalError``).
-Inside ``tf.function`` TensorFlow turns it into ``tf.errors.UnknownError`` carrying the error's
-class and text, as Horovod's graph ops fail with TensorFlow errors.
+Errors. A failed collective raises the ``tf.errors`` class Horovod's op raises for that failure
+(a mismatch between ranks: ``FailedPreconditionError``; a bad argument: ``InvalidArgumentError``;
+a shutdown, stall or lost peer: ``UnknownError``), eagerly and in a graph, with ringflow's text;
+eagerly the exception is ringflow's error class too (:mod:`ringflow.tensorflow.status`).
 
 Ordering. A graph op blocks its executor thread until every rank has submitted it (there is no
 asynchronous kernel in pure Python). Two independent collectives of one graph could therefore run
@@ -37,8 +39,11 @@ import tensorflow as tf
 import ringflow as _core
 from ringflow import ProcessSet, ReduceOp, Sum, global_process_set
 from ringflow import _adapter as kit
-from ringflow.compression import Compression, Compressor
-from ringflow.errors import TensorError
+from ringflow.compression import Compressor
+from ringflow.errors import RingflowError, TensorError
+
+from . import status
+from .compression import Compression
 
 __all__ = [
     "_allreduce",
@@ -97,29 +102,72 @@ def _op_name(kind: str, tensors: Sequence[Any], name: str | None,
 _plain = tf.autograph.experimental.do_not_convert
 
 
+def _arrays(tensors: Sequence[tf.Tensor]) -> list[np.ndarray]:
+    """Eager tensors as numpy arrays: those on the host share their memory (the core only reads
+    its inputs); a GPU tensor is copied to the host by TensorFlow."""
+    return [np.asarray(x) for x in tensors]
+
+
+def _owned(array: np.ndarray) -> bool:
+    """Whether ``array`` is (a view of) memory numpy allocated, as the core allocates results."""
+    base = array
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    return base.flags.owndata
+
+
+# TensorFlow's kernels read tensors through aligned Eigen maps and abort ("Check failed:
+# IsAligned()") on a buffer that is not: EIGEN_MAX_ALIGN_BYTES is 64 with AVX-512.
+_ALIGN = 64
+
+
+def _tensor(array: Any, dtype: tf.DType) -> tf.Tensor:
+    """A core result as an eager tensor of ``dtype``. A buffer the core allocated is handed to
+    TensorFlow through DLPack when it is aligned as TensorFlow needs, instead of copied; anything
+    else (a view of an input, bfloat16, a read-only or unaligned array) is copied, as
+    ``tf.numpy_function`` copies an unaligned result."""
+    array = np.asarray(array, dtype=dtype.as_numpy_dtype)
+    if (array.dtype.kind in "biufc" and array.flags.c_contiguous and array.flags.writeable
+            and array.ctypes.data % _ALIGN == 0 and _owned(array)):
+        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+    return tf.convert_to_tensor(array, dtype=dtype)
+
+
 def _call(fn: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
           touts: Sequence[tf.DType], name: str | None) -> list[tf.Tensor]:
-    """Run ``fn`` (numpy in, list of numpy out) now (eager) or as a graph op in trace order."""
+    """Run ``fn`` (numpy in, list of numpy out) now (eager) or as a graph op in trace order.
+
+    A ringflow error surfaces as the ``tf.errors`` class Horovod's op raises (:mod:`.status`).
+    """
     if tf.executing_eagerly():
-        # A GPU tensor is staged through host memory with TensorFlow's own copies (``numpy()``
-        # here, the numpy_function's host placement in a graph); eagerly the results go back
-        # to the first input's device, as Horovod's GPU ops return them.
-        outs = [tf.convert_to_tensor(out, dtype=t)
-                for out, t in zip(fn(*[x.numpy() for x in inputs]), touts, strict=True)]
+        # A GPU tensor is staged through host memory with TensorFlow's own copies (here, and
+        # the py_function's host placement in a graph); eagerly the results go back to the
+        # first input's device, as Horovod's GPU ops return them.
+        try:
+            results = fn(*_arrays(inputs))
+        except RingflowError as exc:
+            raise status.typed(exc) from exc
+        outs = [_tensor(out, t) for out, t in zip(results, touts, strict=True)]
         device = getattr(inputs[0], "device", "") if inputs else ""
         if "GPU" not in device.upper():
             return outs
         with tf.device(device):
             return [tf.identity(o) for o in outs]
+
+    def body(*xs: tf.Tensor) -> list[Any]:
+        try:
+            results = fn(*_arrays(xs))
+        except RingflowError as exc:
+            if status.tf_class(exc) is tf.errors.FailedPreconditionError:
+                return status.carriers(exc, len(touts))
+            raise  # TensorFlow's class follows the builtin base (see status)
+        return [_tensor(o, t) for o, t in zip(results, touts, strict=True)]
+
     graph = tf.compat.v1.get_default_graph()
     previous = _LAST_OP.get(graph)
     with tf.control_dependencies([] if previous is None else [previous]):
-        outs = tf.numpy_function(
-            lambda *xs: [np.asarray(o, dtype=t.as_numpy_dtype)
-                         for o, t in zip(fn(*xs), touts, strict=True)],
-            list(inputs), list(touts), stateful=True,
-            name=None if name is None else _normalize_name(name)[-200:],
-        )
+        outs = tf.py_function(body, list(inputs), list(touts),
+                              name=None if name is None else _normalize_name(name)[-200:])
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     _LAST_OP[graph] = outs[0].op
     return outs
@@ -149,7 +197,10 @@ class _TFOps:
         return x * tf.constant(factor, x.dtype)  # tf.cast of a float goes through float32
 
     def zeros_like(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.zeros_like(x)
+        # Zeros that still read x (tf.zeros_like of a static shape is a constant): a broadcast's
+        # gradient off the root must depend on its allreduce, or a TF1 session.run prunes that
+        # collective on those ranks only and the root waits for them forever.
+        return tf.raw_ops.ZerosLike(x=x)
 
     def own_rows(self, xs: list[tf.Tensor], rows: Any, process_set: ProcessSet,
                  name: str | None) -> list[tf.Tensor]:
@@ -365,7 +416,10 @@ def scatter(tensors: Sequence[Any] | None, root_rank: int, name: str | None = No
         return [out]
 
     if dtype is None:  # eagerly, off the root: whatever arrives
-        return tf.convert_to_tensor(run()[0])
+        try:
+            return tf.convert_to_tensor(run()[0])
+        except RingflowError as exc:
+            raise status.typed(exc) from exc
     return _call(run, pieces, [tf.as_dtype(dtype)], op_name)[0]
 
 
@@ -377,20 +431,20 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     """Send ``splits[d]`` rows to rank ``d`` of the set; receive rows from every rank.
 
     Returns the received rows, or (rows, received splits) when ``splits`` was given (Horovod's
-    convention). Without ``splits`` the rows are divided evenly, lower ranks taking the remainder.
+    convention). Without ``splits`` every rank gets an equal share of the rows; a first dimension
+    that is not a multiple of the set's size fails on every rank (Horovod's rule).
     """
     tensor = tf.convert_to_tensor(tensor)
     op_name = _op_name("Alltoall", [tensor], name, ignore_name_scope)
     n = process_set.size()
-    if splits is None:
-        rows = tf.shape(tensor, out_type=tf.int32)[0]
-        splits_t = rows // n + tf.cast(tf.range(n) < rows % n, tf.int32)
-    else:
-        splits_t = tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int32)
+    # No splits travel as an empty tensor (as in Horovod's op); the core then divides evenly.
+    splits_t = tf.cast(tf.reshape(tf.convert_to_tensor([] if splits is None else splits), [-1]),
+                       tf.int32)
 
     def run(array: np.ndarray, split: np.ndarray) -> list[np.ndarray]:
-        rows, received = _core.alltoall(array, [int(s) for s in split], name=op_name,
-                                        process_set=process_set)
+        rows, received = _core.alltoall(
+            array, None if splits is None else [int(s) for s in split], name=op_name,
+            process_set=process_set)
         return [rows, np.asarray(received, np.int32)]
 
     def shape(out: tf.Tensor, x: tf.Tensor) -> None:
@@ -454,7 +508,10 @@ def barrier(process_set: ProcessSet = global_process_set) -> Any:
     Eagerly it returns None; in a graph, the barrier op (to use as a control dependency).
     """
     if tf.executing_eagerly():
-        _core.barrier(process_set=process_set)
+        try:
+            _core.barrier(process_set=process_set)
+        except RingflowError as exc:
+            raise status.typed(exc) from exc
         return None
 
     def run() -> list[np.ndarray]:

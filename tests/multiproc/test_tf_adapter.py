@@ -50,6 +50,14 @@ def test_ops_tapes_objects_sync_batch_norm(np_: int) -> None:
     passed(launch(np_, WORKERS / "ops_worker.py"), np_)
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tf1_graph_mode_and_error_classes(np_: int) -> None:
+    """Horovod's graph mode (a tf.Graph run by a Session): the broadcast gradient that used to
+    deadlock, names equal on every rank, broadcast_ / broadcast_global_variables / objects; and
+    the tf.errors class of each failed collective, eagerly, in tf.function and in a session."""
+    passed(launch(np_, WORKERS / "graph_worker.py"), np_)
+
+
 def test_keras_fit_callbacks_load_model(tmp_path: Path) -> None:
     """model.fit equivalence (SGD, Adam, SyncBatchNormalization), backward_passes_per_step,
     all callbacks, load_model, PartialDistributedOptimizer and the keras helpers."""

@@ -3,6 +3,7 @@ contractual error messages raised before any collective starts."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
@@ -10,6 +11,7 @@ keras = pytest.importorskip("keras")
 
 import ringflow.tensorflow as hvd  # noqa: E402
 import ringflow.tensorflow.keras as hvd_keras  # noqa: E402
+from ringflow.compression import Compressor  # noqa: E402
 from ringflow.errors import ConfigError, RingflowError, TensorError  # noqa: E402
 from ringflow.tensorflow import gradient_tape, mpi_ops  # noqa: E402
 from ringflow.tensorflow.keras import optimizer as keras_optimizer  # noqa: E402
@@ -70,14 +72,55 @@ def test_backward_passes_per_step_must_be_positive() -> None:
 
 def test_sparse_allreduce_rejects_min() -> None:
     slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))
-    with pytest.raises(TensorError, match="supports op Sum or Average, not MIN"):
-        hvd.allreduce(slices, op=hvd.Min)
+    for op in (hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):
+        # Horovod's TensorFlow raises NotImplementedError; ringflow's error is also a TensorError
+        with pytest.raises(TensorError, match=f"supports op Sum or Average, not {op.name}"):
+            hvd.allreduce(slices, op=op)
+        with pytest.raises(NotImplementedError):
+            hvd.grouped_allreduce([tf.ones([2]), slices], op=op)
 
 
-def test_object_helpers_refuse_graph_mode() -> None:
+def test_sparse_allreduce_rejects_scale_factors() -> None:
+    slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))
+    for scales in ({"prescale_factor": 0.5}, {"postscale_factor": 2.0}):
+        with pytest.raises(NotImplementedError, match="pre/postscale_factor are not supported"):
+            hvd.allreduce(slices, op=hvd.Sum, **scales)
+
+
+def test_object_helpers_refuse_tf_function() -> None:
     for fn in (lambda: hvd.broadcast_object(1), lambda: hvd.allgather_object(1)):
         with pytest.raises(TensorError, match=r"cannot run inside tf\.function"):
             tf.function(fn, autograph=False)()
+
+
+def test_broadcast_global_variables_is_for_graph_mode() -> None:
+    with pytest.raises(RuntimeError, match="does not support eager execution"):
+        hvd.broadcast_global_variables(0)
+    with tf.Graph().as_default():
+        assert hvd.broadcast_global_variables(0).type == "NoOp"  # no global variables: no op
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_compression_casts_tensorflow_tensors(graph: bool) -> None:
+    """Horovod's ``Compression.fp16.compress/decompress`` on tensors, eagerly and in a graph."""
+    def run(fn):
+        return tf.function(fn)() if graph else fn()
+
+    for dtype, wire in ((tf.float64, tf.float16), (tf.float32, tf.float16),
+                        (tf.float16, tf.float16), (tf.int32, tf.int32), (tf.bool, tf.bool)):
+        def roundtrip(dtype=dtype, wire=wire):
+            compressed, ctx = hvd.Compression.fp16.compress(tf.ones([3, 2], dtype))
+            assert compressed.dtype == wire
+            out = hvd.Compression.fp16.decompress(compressed, ctx)
+            assert out.dtype == dtype
+            return out
+
+        assert run(roundtrip).numpy().tolist() == [[1, 1]] * 3
+    same, ctx = hvd.Compression.none.compress(tf.ones([2], tf.float64))
+    assert same.dtype == tf.float64 and hvd.Compression.none.decompress(same, ctx) is same
+    half, ctx = hvd.Compression.fp16.compress(np.ones(2))  # numpy keeps the core's behaviour
+    assert half.dtype == np.float16 and hvd.Compression.fp16.decompress(half, ctx).dtype == "f8"
+    assert isinstance(hvd.Compression.bf16, Compressor)  # still handed to the engine
 
 
 def test_broadcast_global_variables_points_to_the_callback() -> None:

@@ -9,7 +9,7 @@
     model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                                hvd.callbacks.MetricAverageCallback()])
 
-Collectives run as ``tf.numpy_function`` ops, which XLA cannot compile: compile the model with
+Collectives run as ``tf.py_function`` ops, which XLA cannot compile: compile the model with
 ``jit_compile=False`` on machines with a GPU (Keras already chooses False on CPU-only machines).
 ``broadcast_global_variables`` needs TF1 global variables, which Keras 3 does not have: use
 ``BroadcastGlobalVariablesCallback`` or ``broadcast_variables(model.variables, 0)``.
@@ -27,7 +27,6 @@ import ringflow as _core
 from ringflow import (
     Adasum,
     Average,
-    Compression,
     ProcessSet,
     Sum,
     cross_rank,
@@ -57,7 +56,7 @@ from ringflow.build import (
 )
 from ringflow.errors import RingflowError
 
-from .. import SyncBatchNormalization, add_process_set, init
+from .. import Compression, SyncBatchNormalization, add_process_set, init
 from ..functions import allgather_object, broadcast_object, broadcast_variables
 from . import callbacks
 from .optimizer import create_distributed_optimizer, wrap_optimizer_class

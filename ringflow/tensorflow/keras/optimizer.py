@@ -23,9 +23,10 @@ from typing import Any, ClassVar
 
 import tensorflow as tf
 
-from ringflow import Average, Compression, ProcessSet, ReduceOp, global_process_set
+from ringflow import Average, ProcessSet, ReduceOp, global_process_set
 from ringflow.errors import ConfigError
 
+from ..compression import Compression
 from ..gradient_tape import allreduce_gradients
 
 __all__ = ["create_distributed_optimizer", "wrap_optimizer_class"]

@@ -139,19 +139,27 @@ def failure(fw: Any, fn: Callable[..., Any], *xs: Any) -> tuple[str, str]:
     """(class name, text) of the error ``fw.call(fn, *xs)`` raises; ("", value) if none.
 
     Eagerly the error must be a ringflow error and a ``hvd.HorovodInternalError`` (a
-    RuntimeError); inside tf.function TensorFlow reports it as an UnknownError whose text names
-    the ringflow class.
+    RuntimeError); inside tf.function TensorFlow reports it as a ``tf.errors`` class whose text
+    names the ringflow class. An error a TensorFlow op raised must be the ``tf.errors`` class
+    Horovod's op raises for it (``ringflow.tensorflow.status``), eagerly too.
     """
     try:
         value = fw.call(fn, *xs)
     except Exception as exc:
+        text = str(exc)
         if fw.graph:
-            text = str(exc)
             name = next((n for n in dir(errors) if f"{n}:" in text), type(exc).__name__)
-            return name, text
-        ok = isinstance(exc, fw.hvd.HorovodInternalError) and isinstance(exc, RuntimeError)
-        return (type(exc).__name__ if ok else f"not HorovodInternalError {type(exc)!r}",
-                str(exc))
+        else:
+            ok = isinstance(exc, fw.hvd.HorovodInternalError) and isinstance(exc, RuntimeError)
+            name = type(exc).__name__ if ok else f"not HorovodInternalError {type(exc)!r}"
+        cls = getattr(errors, name, None)
+        if hasattr(fw, "tf") and isinstance(exc, fw.tf.errors.OpError) and cls is not None:
+            from ringflow.tensorflow import status
+
+            want = status.tf_class(cls(text))
+            if want is not None and not isinstance(exc, want):
+                name = f"{name} raised as {type(exc).__name__}, not {want.__name__}"
+        return name, text
     return "", repr(value)
 
 
