@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from . import errors, fault
+from .autotune import Params, Tuner, fixed_knobs
 from .backends import Backends
 from .collectives import collective
 from .config import Config
@@ -77,7 +78,14 @@ from .messages import (
     decode,
     encode,
 )
-from .negotiation import CachedAllreduce, Coordinator, Request, Response, ResponseCache
+from .negotiation import (
+    CachedAllreduce,
+    Coordinator,
+    Request,
+    Response,
+    ResponseCache,
+    on_the_wire,
+)
 from .ops import ReduceOp
 from .p2p import PointToPoint
 from .timeline import Timeline, answer_probe
@@ -123,6 +131,17 @@ class Engine:
             if rank == 0 else None
         )
         self._early_submits: list[tuple[int, Submit]] = []  # before this rank took over
+        # The tunable values in force (ringflow.autotune): the configuration's, until rank 0's
+        # autotuner sends others with a plan.
+        self.params = Params.of(config)
+        self._tuner = Tuner(
+            self.params, allowed_compression=config.autotune_compression,
+            fixed=fixed_knobs(), warmup_samples=config.autotune_warmup_samples,
+            steps_per_sample=config.autotune_steps_per_sample,
+            log_path=config.autotune_log_file) if rank == 0 and size > 1 and config.autotune \
+            else None
+        if self.coordinator is not None:
+            self._configure(self.coordinator)
         # collectives: plan items completed (fused tensors count once); eager: those of them that
         # rank 0 reduced itself (see negotiation.EAGER_BYTES).
         # lane: of them, those that took the same-host lane (ringflow.lane).
@@ -324,6 +343,9 @@ class Engine:
                 self._refuse = ShutdownError("ringflow has been shut down; call init() again")
         self._inbox.put((Wake.STOP,))
         self._thread.join(self.config.timeout_s)
+        tuner = self._tuner
+        if tuner is not None:
+            tuner.close()
         self.timeline(None)  # before the goodbye: the last records travel ahead of it
         self._liveness.stop()
         self._hand_over()
@@ -345,6 +367,12 @@ class Engine:
         successor = next((r for r in range(self.size) if r not in gone), None)
         if successor is not None:
             self._broadcast(Handover(successor, gone, list(c.joined), c.next_set_id))
+
+    def record_step(self, overlap: Any) -> None:
+        """An optimizer's step (:class:`ringflow.overlap.StepOverlap`), for the timeline."""
+        tl = self._timeline
+        if tl is not None:
+            tl.step(overlap)
 
     def timeline(self, path: str | None) -> None:
         """Start recording the job's timeline (rank 0 writes it to ``path``), or stop with None.
@@ -391,6 +419,8 @@ class Engine:
                 if self._closed:
                     return
                 if isinstance(msg, Plan):
+                    if msg.params is not None:
+                        self._set_params(msg.params)
                     self._receive(msg.items)
                 elif isinstance(msg, Handover):
                     self._take_over(msg)
@@ -418,6 +448,7 @@ class Engine:
                 self._send(msg.successor, Submit(pending, [], []))
             return
         c = Coordinator(self.size, self._members, self.config.fusion_threshold_bytes, self.cache)
+        self._configure(c)
         c.gone, c.joined, c.next_set_id = dict(msg.gone), list(msg.joined), msg.next_set_id
         self.coordinator = c
         c.submit(self.rank, pending, [], [])
@@ -472,7 +503,7 @@ class Engine:
 
     def _next_items(self) -> list[tuple]:
         busy = self._pending or (self.coordinator is not None and self.coordinator.holding)
-        wait = self.config.cycle_time_ms / 1000.0 if busy else self._liveness.interval
+        wait = self.params.cycle_time_ms / 1000.0 if busy else self._liveness.interval
         try:
             items = [self._inbox.get(timeout=wait)]
         except queue.Empty:
@@ -555,14 +586,43 @@ class Engine:
     def _plan(self) -> None:
         """Rank 0: turn what is ready into a plan, send it to every rank and take it in here."""
         holding = self.coordinator.holding
-        plan = self.coordinator.plan(self.config.cycle_time_ms / 1000.0)
+        plan = self.coordinator.plan(self.params.cycle_time_ms / 1000.0)
         if plan:
             if self._timeline is not None:
                 self._timeline.negotiated(plan, self.cache)
-            self._broadcast(Plan(plan))
+            params = self._tune(plan) if self._tuner is not None else None
+            self._broadcast(Plan(plan, params))
             self._receive(plan)
         elif self.coordinator.holding and not holding:
             self._inbox.put((Wake.TICK,))  # the engine thread plans them when the window closes
+
+    def _tune(self, plan: list[Response | CachedAllreduce]) -> Params | None:
+        """Rank 0: tell the autotuner what was planned; its new values, now in force here."""
+        names = []
+        for item in plan:
+            if isinstance(item, CachedAllreduce):
+                names += [(self.cache.key_of[b], self.cache.ref[b].nbytes) for b in item.bits]
+            else:
+                names += [(r.key, r.nbytes) for r in item.requests]
+        params = self._tuner.planned(names)
+        if self._tuner.done:
+            self._tuner = None
+        if params is not None:
+            self._set_params(params)
+        return params
+
+    def _set_params(self, params: Params) -> None:
+        """New tunable values (under the lock, in plan order): items planned from now on carry
+        them (the coordinator's), optimizers read them at their next backward pass."""
+        self.params = params
+        if self.coordinator is not None:
+            self._configure(self.coordinator)
+
+    def _configure(self, coordinator: Coordinator) -> None:
+        p = self.params
+        coordinator.fusion_threshold = p.fusion_threshold_bytes
+        coordinator.wire = "" if p.wire_compression == "none" else p.wire_compression
+        coordinator.chunk = p.chunk_bytes
 
     def _on_verdict(self, msg: Abort | Fatal) -> None:
         if isinstance(msg, Fatal):
@@ -735,11 +795,13 @@ class Engine:
                 refs = tuple(self.cache.ref[b] for b in item.bits)
                 result = item.result
                 # cached items never carry joined ranks
-                resp = Response("allreduce", refs[0].process_set, refs, joined=())
+                resp = Response("allreduce", refs[0].process_set, refs, joined=(),
+                                wire=item.wire, chunk=item.chunk)
             else:
                 resp = item
                 mine = {r.key: self._submitted.get(r.key) for r in item.requests}
                 self.cache.record(item, mine.get)
+            resp = on_the_wire(resp)
             for r in resp.requests:
                 self._submitted.pop(r.key, None)
             if self._timeline is not None:
