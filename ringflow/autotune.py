@@ -22,18 +22,21 @@ A knob set in the environment (``RINGFLOW_FUSION_THRESHOLD_BYTES``, ``--fusion-t
 it: the coordinator plans the same names every step, so the first name larger than the eager
 limit (64 KiB: such a name never takes the same-host lane, so rank 0 plans every instance of it)
 that it plans a second time is the *marker*, and each plan that holds the marker again ends a
-step. A *sample* is ``steps_per_sample`` steps (default 5) after one step that is not counted
+step. A *sample* is ``steps_per_sample`` steps (default 4) after one step that is not counted
 (the step in flight when the values changed mixes both); its score is ``1 / median step time``
 (robust to one slow step on a shared host).
 
-**The search** (within 200 steps at the defaults: warm-up 2 samples, then 16 samples of the
-search at most, then 6 of the confirmation; 6 steps each, ~140 steps): one parameter at a time,
-in the order of the table, each of its values is measured with the others at the best so far,
-right after a new measurement of the best itself; a value replaces the best only when its score
-beats the best's by ``MARGIN`` (2%). Then, if the result differs from the start (the defaults,
-or what the user fixed), the two alternate for three samples each (ABBAAB): the result is kept
-only if the median of its samples beats the start's by ``MARGIN``, else the start is. So the
-tuner ends at the start's rate or above, short of noise that outlasts three interleaved pairs.
+**The search**: one parameter at a time, in the order of the table, each of its values is
+measured with the others at the best so far, between two samples of the best (``B v1 B v2 B``),
+and scored against the mean of the two: a drift of the host's load hits a value and its
+reference alike. The value of the highest ratio replaces the best when that ratio exceeds
+``1 + MARGIN`` (2%). Then, if the result differs from the start (the defaults, or what the user
+fixed), the two alternate for three samples each (ABBAAB): the result is kept only if the median
+of its samples beats the start's by ``MARGIN``, else the start is. So the tuner ends at the
+start's rate or above, short of noise that outlasts three interleaved pairs. At the defaults
+(5 steps a sample) that is about 115 steps when nothing beats the start and 175 at most when
+every parameter moves and compression is allowed (tests/unit/test_autotune.py); then the engine
+drops the tuner, which costs nothing from then on.
 
 **Agreement.** Every value is decided by rank 0 and applied where ranks cannot disagree:
 the fusion threshold and the cycle time are rank 0's alone (the coordinator plans for everyone);
@@ -154,7 +157,7 @@ class Tuner:
 
     def __init__(self, start: Params, *, allowed_compression: str = "none",
                  fixed: frozenset[str] = frozenset(), warmup_samples: int = 2,
-                 steps_per_sample: int = 5, log_path: str = "", marker_bytes: int = 64 * 1024,
+                 steps_per_sample: int = 4, log_path: str = "", marker_bytes: int = 64 * 1024,
                  clock: Any = time.monotonic) -> None:
         self.start = start
         self.best = start
@@ -176,6 +179,7 @@ class Tuner:
         self._queue: list[_Trial] = [_Trial(start, "warmup", 1)
                                      for _ in range(warmup_samples)]
         self._round: list[_Trial] = []  # the current parameter's trials, baseline first
+        self._round_end: _Trial | None = None  # the previous round's last sample of the best
         self._dims = list(self.space)
         self._confirm: list[_Trial] = []
         self._current = start
@@ -236,24 +240,35 @@ class Tuner:
 
     # the search --------------------------------------------------------------------------------
     def _next_round(self) -> None:
-        """Queue the next parameter's trials: the best again, then each of its values."""
+        """Queue the next parameter's trials: each of its values between two samples of the
+        best (B v1 B v2 B ...), so that each value is compared with the best measured just
+        before and just after it: a drift of the host's load hits both alike."""
         if not self._dims:
             self._begin_confirmation()
             return
         dim = self._dims.pop(0)
-        trials = [_Trial(self.best, "search", 1)]
-        trials += [_Trial(dataclasses.replace(self.best, **{dim: v}), "search", 1)
-                   for v in self.space[dim]]
+        trials = [] if self._round_end is not None else [_Trial(self.best, "search", 1)]
+        if self._round_end is not None:
+            trials.append(self._round_end)  # the last sample of the best is this round's first
+        for v in self.space[dim]:
+            trials += [_Trial(dataclasses.replace(self.best, **{dim: v}), "search", 1),
+                       _Trial(self.best, "search", 1)]
         self._round = trials
-        self._queue += trials
+        self._queue += trials[1:] if self._round_end is not None else trials
 
     def _advance(self) -> None:
         if self._round:
-            base, *others = self._round
-            self._round = []
-            top = max(others, key=lambda t: t.score)
-            if top.score > base.score * (1 + MARGIN):
-                self.best = top.params
+            trials, self._round = self._round, []
+            ratios = []
+            for i in range(1, len(trials), 2):
+                before, value, after = trials[i - 1], trials[i], trials[i + 1]
+                base = (before.score + after.score) / 2
+                ratios.append((value.score / base if base > 0 else 0.0, value))
+            ratio, top = max(ratios, key=lambda rt: rt[0])
+            if ratio > 1 + MARGIN:
+                self.best, self._round_end = top.params, None
+            else:
+                self._round_end = trials[-1]
             self._next_round()
         elif self._confirm:
             starts = [t.score for t in self._confirm if t.params == self.start]

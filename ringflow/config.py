@@ -134,7 +134,7 @@ class Config:
     #: Samples the autotuner ignores at the start (the first steps are slow).
     autotune_warmup_samples: int = 2
     #: Steps per sample of the autotuner (the first step after a change is not counted).
-    autotune_steps_per_sample: int = 5
+    autotune_steps_per_sample: int = 4
     #: Faults to inject, for tests (``ringflow.fault``: rank, protocol point, action); empty:
     #: none, and no cost.
     fault: str = ""
