@@ -47,6 +47,7 @@ from ..overlap import StepClock, StepOverlap
 from .compression import Compression
 from .mpi_ops import (
     allreduce_async_,
+    allreduce_many_async_,
     grouped_allreduce_async_,
     sparse_allreduce_async,
     synchronize,
@@ -180,12 +181,14 @@ class _DistributedOptimizer:
                 for p in keys:
                     self._handles.pop(p, None)
                 self._handles[keys] = self._grouped_allreduce_grad_async(keys)
+                self._clock.submitted(self._handles[keys][0])
+            elif len(keys) > 1 and isinstance(self._compression, Compressor) and not any(
+                    p.grad is not None and p.grad.is_sparse for p in keys):
+                self._allreduce_bucket_async(keys)
             else:
                 for p in keys:
                     self._handles[p] = self._allreduce_grad_async(p)
                     self._clock.submitted(self._handles[p][0])
-                continue
-            self._clock.submitted(self._handles[keys][0])
 
     def _flush(self) -> None:
         """The backward pass has ended: submit the gradients the batcher's bucket holds."""
@@ -221,6 +224,19 @@ class _DistributedOptimizer:
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
                                   postscale_factor=post, process_set=self.process_set)
         return handle, ("custom", ctx)
+
+    def _allreduce_bucket_async(self, keys: tuple[torch.Tensor, ...]) -> None:
+        """A bucket of dense gradients: separate operations, handed to the engine at once."""
+        for p in keys:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        pre, post = self._scales()
+        handles = allreduce_many_async_([p.grad for p in keys],
+                                        [self._parameter_names.get(p) for p in keys], self.op,
+                                        pre, post, self.process_set, self._compression)
+        for p, handle in zip(keys, handles, strict=True):
+            self._handles[p] = (handle, None)
+            self._clock.submitted(handle)
 
     def _grouped_allreduce_grad_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
         for p in group:
