@@ -26,17 +26,19 @@ step. A *sample* is ``steps_per_sample`` steps (default 4) after one step that i
 (the step in flight when the values changed mixes both); its score is ``1 / median step time``
 (robust to one slow step on a shared host).
 
-**The search**: one parameter at a time, in the order of the table, each of its values is
-measured with the others at the best so far, between two samples of the best (``B v1 B v2 B``),
-and scored against the mean of the two: a drift of the host's load hits a value and its
-reference alike. The value of the highest ratio replaces the best when that ratio exceeds
-``1 + MARGIN`` (2%). Then, if the result differs from the start (the defaults, or what the user
-fixed), the two alternate for three samples each (ABBAAB): the result is kept only if the median
-of its samples beats the start's by ``MARGIN``, else the start is. So the tuner ends at the
-start's rate or above, short of noise that outlasts three interleaved pairs. At the defaults
-(5 steps a sample) that is about 115 steps when nothing beats the start and 175 at most when
-every parameter moves and compression is allowed (tests/unit/test_autotune.py); then the engine
-drops the tuner, which costs nothing from then on.
+**The search**: one parameter at a time, in the order of the table, each of its values is measured
+with the others at the best so far, between two samples of the best (``B v1 B v2 B``), and scored
+against the mean of the two: a drift of the host's load hits a value and its reference alike. The
+value of the highest ratio replaces the best when that ratio exceeds ``1 + MARGIN`` (2%) and twice
+the noise: the median change between the two samples of the best around each value so far (on a
+shared host, samples of one setting moved by 10-30%; a value that only looks better by that much is
+the load, not the value). Then, if the result differs from the start (the defaults, or what the user
+fixed), the two alternate for three samples each (ABBAAB): the result is kept only if it beats the
+start in each of the three adjacent pairs and its median by ``MARGIN``, else the start is. So the
+tuner ends at the start's rate or above, short of noise that wins three interleaved pairs in a row
+(1 in 8 for a setting no better). At the defaults (5 steps a sample) that is about 115 steps when
+nothing beats the start and 175 at most when every parameter moves and compression is allowed
+(tests/unit/test_autotune.py); then the engine drops the tuner, which costs nothing from then on.
 
 **Agreement.** Every value is decided by rank 0 and applied where ranks cannot disagree:
 the fusion threshold and the cycle time are rank 0's alone (the coordinator plans for everyone);
@@ -81,6 +83,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import statistics
 import time
@@ -184,6 +187,7 @@ class Tuner:
         self._confirm: list[_Trial] = []
         self._current = start
         self._scores: dict[Params, float] = {}  # the last score of each values measured
+        self._drift: list[float] = []  # |log| of the change between two samples of the best
         self._file: IO[str] | None = None
         if log_path:
             self._file = open(log_path, "w", encoding="utf-8")  # noqa: SIM115
@@ -264,22 +268,33 @@ class Tuner:
                 before, value, after = trials[i - 1], trials[i], trials[i + 1]
                 base = (before.score + after.score) / 2
                 ratios.append((value.score / base if base > 0 else 0.0, value))
+                if before.score > 0 and after.score > 0:
+                    self._drift.append(abs(math.log(after.score / before.score)))
             ratio, top = max(ratios, key=lambda rt: rt[0])
-            if ratio > 1 + MARGIN:
+            if ratio > self.threshold():
                 self.best, self._round_end = top.params, None
             else:
                 self._round_end = trials[-1]
             self._next_round()
         elif self._confirm:
-            starts = [t.score for t in self._confirm if t.params == self.start]
-            bests = [t.score for t in self._confirm if t.params == self.best]
-            self._confirm = []
+            trials, self._confirm = self._confirm, []
+            starts = [t.score for t in trials if t.params == self.start]
+            bests = [t.score for t in trials if t.params == self.best]
+            # ABBAAB: three adjacent pairs; the result must win each, and by the margin overall.
+            wins = sum(b > a for a, b in zip(starts, bests, strict=True))
             score = statistics.median(bests)
-            if score <= statistics.median(starts) * (1 + MARGIN):
+            if wins < len(bests) or score <= statistics.median(starts) * (1 + MARGIN):
                 self.best, score = self.start, statistics.median(starts)
             self._finish(score)
         else:
             self._next_round()
+
+    def threshold(self) -> float:
+        """The ratio a value must beat to replace the best: ``1 + MARGIN``, or more where the
+        best's own samples (two around each value) moved more than that: twice their median
+        change, so that a value is not taken for what the host's load did meanwhile."""
+        noise = statistics.median(self._drift) if self._drift else 0.0
+        return max(1 + MARGIN, math.exp(2 * noise))
 
     def _begin_confirmation(self) -> None:
         if self.best == self.start:
