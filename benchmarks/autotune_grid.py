@@ -231,6 +231,11 @@ def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
         per_pass = list(zip(*ab, strict=True))
         vs_best = [c / b for c, b, _ in per_pass]
         vs_default = [c / d for c, _, d in per_pass]
+        same = [name for name, other in (("defaults", defaults), ("the grid's best",
+                                                                  {**defaults, **grid[best]}))
+                if {**defaults, **other} == {**defaults, **chosen}]
+        if same:
+            print(f"(the choice is {' and '.join(same)}: that ratio is the A/B's own noise)")
         print(f"A/B ({time.monotonic() - t0:.0f} s, {args.ab_passes} interleaved samples each): "
               f"chosen / best of grid {statistics.median(vs_best):.3f} (per pass "
               f"{', '.join(f'{r:.2f}' for r in vs_best)}); chosen / defaults "
