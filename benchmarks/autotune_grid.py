@@ -124,7 +124,7 @@ def worker(args: argparse.Namespace) -> None:
         if hvd.rank() == 0:
             driver = Driver(schedule, plan["steps"])
             with engine._control():
-                engine._tuner = driver
+                engine.seat.tuner = driver
     steps = 0
     while True:
         opt.zero_grad()

@@ -1,34 +1,30 @@
-"""mkdocs hook: pages that show program output get it from the program at build time.
+"""mkdocs hook: what a page shows on the site beyond what the code host shows of it.
 
-``<!-- insert: ringflow-run --help -->`` on a line of its own becomes the text
-``ringflow-run --help`` prints, run from this checkout, 100 columns wide. The page can then never
-disagree with the parser (tests/docs/test_docs.py builds the site strictly).
+Pages are written to read well as plain Markdown on the code host (copies of files and of
+``--help`` are committed in them, tests/docs/doc_blocks.py keeps them current). Three things
+only the site adds, from HTML comments the code host hides:
+
+* ``<!-- include: PATH -->`` on a line of its own: the file PATH of the checkout, inlined (the
+  measurements page includes benchmarks/RESULTS.md);
+* ``<!-- api`` ... ``-->`` around mkdocstrings' ``::: module`` directives: unwrapped, so the API
+  reference is generated from the docstrings (the page says where to read them on the code host);
+* links to files of the checkout outside docs/ (``../../ringflow/__init__.py``): pointed at the
+  repository, where mkdocs would find no page.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = {
-    "ringflow-run --help": [sys.executable, "-m", "ringflow.runner", "--help"],
-}
-
-
-def _output(argv: list[str]) -> str:
-    env = {**os.environ, "COLUMNS": "100",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-                          check=True)
-    return proc.stdout.rstrip()
+_INCLUDE = re.compile(r"^<!--\s*include:\s*(\S+)\s*-->\s*$", re.M)
+_API = re.compile(r"^<!-- api\n(.*?)^-->\s*$", re.M | re.S)
+_OUTSIDE = re.compile(r"\]\((?:\.\./)+((?:ringflow|benchmarks|examples|tests|\.ci)/[^)#\s]*)")
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:  # mkdocs calls it so
-    for name, argv in COMMANDS.items():
-        marker = f"<!-- insert: {name} -->"
-        if marker in markdown:
-            markdown = markdown.replace(marker, f"```text\n{_output(argv)}\n```")
-    return markdown
+    markdown = _INCLUDE.sub(lambda m: (ROOT / m[1]).read_text(), markdown)
+    markdown = _API.sub(lambda m: m[1], markdown)
+    repo = str(config.get("repo_url") or "").rstrip("/")
+    return _OUTSIDE.sub(lambda m: f"]({repo}/blob/main/{m[1]})", markdown)

@@ -13,10 +13,11 @@ the table of collectives in :mod:`.collectives`, turning a call into a request i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import lifeline as _lifeline
 from . import logs as _logs
 from . import metrics as metrics  # ringflow.metrics.Accuracy after a plain `import ringflow`
 from .compression import Compression, Compressor
@@ -32,12 +33,10 @@ from .process_sets import (
     remove_process_set,
     set_id,
 )
-from .runner.pyrun import launcher, run
 from .runtime import (
     cross_rank,
     cross_size,
     get_client,
-    init,
     is_initialized,
     local_rank,
     local_size,
@@ -51,10 +50,44 @@ from .runtime import (
 )
 from .single_process import single_process_scope  # Jittor's (DESIGN.md section 10)
 from .submission import GroupHandle, call_site, name_of, scales, submit, submit_fields, submit_group
+from .submission import joined as _count_names_afresh
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # loaded on first use (below): `import ringflow` needs no launcher
+    from .runner.pyrun import launcher, run
+
+
+def __getattr__(name: str) -> Any:
+    """``ringflow.run`` and ``ringflow.launcher`` load the launcher (ringflow.runner: a third
+    of the time ``import ringflow`` took, for programs that never launch) on first use."""
+    if name in ("run", "launcher"):
+        from .runner import pyrun
+
+        return getattr(pyrun, name)
+    raise AttributeError(f"module 'ringflow' has no attribute {name!r}")
+
+
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
+         **kwargs: Any) -> None:
+    """Join the job that started this process (:func:`ringflow.runtime.init` has the details:
+    the launchers, ``comm``, and the keyword arguments ``rank``, ``size``, ``init_method``,
+    ``local_rank``, ``local_size``, ``store``), then add ``process_sets`` (collectively, in the
+    order given; Horovod's ``hvd.init(process_sets=...)``).
+
+    Raises:
+        ConfigError: a RINGFLOW_* variable, the launcher environment or an argument is invalid,
+            or a variable says the job has several processes and none is joined.
+        PeerError / RingflowTimeoutError: the other ranks could not be reached within timeout_s.
+    """
+    from . import runtime
+
+    runtime.init(comm, **kwargs)
+    for ps in process_sets or ():
+        add_process_set(ps)
+
 _logs.install()  # ringflow's records reach stderr, with the rank, where no handler takes them
+_lifeline.watch()  # a worker of ringflow-run leaves when its supervisor is gone
 
 __all__ = [
     "Adasum",
@@ -197,14 +230,21 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, name: str |
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Send ``splits[d]`` rows to rank ``d``; the result is (rows received, splits received).
 
-    Without ``splits`` the first dimension is divided as evenly as possible, lower ranks first.
+    Without ``splits`` every rank gets an equal share of the rows; a first dimension that is not
+    a multiple of the set's size fails the operation on every rank (Horovod's rule).
     """
     n = process_set.size()
     rows = int(np.shape(tensor)[0]) if np.ndim(tensor) else 0
+    error = ""
     if splits is None:
-        splits = [rows // n + (1 if d < rows % n else 0) for d in range(n)]
-    return submit("alltoall", tensor, name, process_set,
-                   splits=tuple(int(s) for s in np.asarray(splits).reshape(-1)))
+        name = name_of("alltoall", name, set_id(process_set))
+        if rows % n:
+            error = (f"alltoall of {name!r}: splits not provided, but the first dimension of "
+                     f"the tensor ({rows}) is not an even multiple of the number of ranks ({n}) "
+                     "of the process set; pass splits= (rows per rank) to send unequal parts")
+        splits = [rows // n] * n
+    return submit("alltoall", tensor, name, process_set, error=error,
+                  splits=tuple(int(s) for s in np.asarray(splits).reshape(-1)))
 
 
 def alltoall(tensor: Any, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -313,9 +353,13 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 def join() -> int:
     """Stop contributing data: until every rank has joined, this rank's engine takes part in
-    other ranks' allreduces with zeros (allgathers with no rows). Returns the last rank to join.
+    other ranks' allreduces with zeros (their other collectives but barrier fail, as in
+    Horovod). Returns the last rank to join.
+    Unnamed operations are counted afresh after it on every rank (``submission.joined``).
     """
-    return int(running().enqueue(Request("join", "join", site=call_site(2))).wait())
+    last = int(running().enqueue(Request("join", "join", site=call_site(2))).wait())
+    _count_names_afresh()
+    return last
 
 
 def poll(handle: Handle) -> bool:
@@ -341,7 +385,7 @@ def isend(array: Any, dst: int, tag: int = 0) -> Handle:
         TensorError: ``dst`` is not another rank of the job, or ``tag`` is not an int.
         HorovodInternalError: the job has failed or was shut down.
     """
-    from .p2p import start_send
+    from .submission import start_send
 
     return start_send(array, dst, tag)
 
@@ -367,7 +411,7 @@ def irecv(src: int, tag: int = 0, out: np.ndarray | None = None,
             ``shape`` / ``dtype`` are not usable (or disagree with each other).
         HorovodInternalError: the job has failed or was shut down.
     """
-    from .p2p import start_recv
+    from .submission import start_recv
 
     return start_recv(src, tag, out, shape, dtype)
 

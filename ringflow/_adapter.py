@@ -5,7 +5,6 @@ the rest of Horovod's semantics lives here, so the two adapters cannot drift apa
 
 - :func:`resolve_op`: ``op=`` with Horovod's deprecated ``average=`` flag;
 - :func:`op_name` / :func:`grad_name`: the names ranks match operations by;
-- :func:`even_splits`: default alltoall splits (gradient batching: :mod:`ringflow.batching`);
 - :func:`compressed`: a core compressor goes to the engine (it casts while fusing), any other
   object with Horovod's ``compress``/``decompress`` is applied around the collective;
 - :func:`broadcast_object` / :func:`allgather_object`: Python objects (cloudpickle when
@@ -63,7 +62,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "GRADIENTS", "Invalid", "Ops", "Spec", "allgather_object", "broadcast_object",
-    "compressed", "even_splits", "grad_name", "op_name", "resolve_op",
+    "compressed", "grad_name", "op_name", "resolve_op",
     "sparse_scale",
 ]
 # point to point
@@ -101,13 +100,6 @@ def op_name(kind: str, name: str | None) -> str | None:
 def grad_name(name: str | None) -> str | None:
     """The name of the backward operation of a forward operation named ``name``."""
     return None if name is None else f"{name}.grad"
-
-
-def even_splits(rows: int, parts: int) -> list[int]:
-    """``rows`` divided among ``parts`` ranks as evenly as possible, lower ranks taking the rest
-    (alltoall's default splits)."""
-    q, rem = divmod(rows, parts)
-    return [q + (1 if i < rem else 0) for i in range(parts)]
 
 
 def compressed(compression: Any, tensors: Sequence[T],

@@ -24,9 +24,10 @@
   ``RINGFLOW_SECRET_FILE`` set, ringflow's own store there, keyed by that file (closed) or by
   the address (open).
 - ``slurm`` (srun): rank 0 serves ringflow's store on the first node of the step
-  (``SLURM_STEP_NODELIST``, expanded by ``scontrol show hostnames`` or python-hostlist; or
-  ``MASTER_ADDR``), port ``MASTER_PORT`` or ``20000 + (31 * SLURM_JOB_ID + SLURM_STEP_ID) mod
-  10000``; keyed by ``RINGFLOW_SECRET_FILE`` (closed) or by the address (open).
+  (``SLURM_STEP_NODELIST``; a list with bracketed ranges is expanded by ``scontrol show
+  hostnames`` or python-hostlist; or ``MASTER_ADDR``), port ``MASTER_PORT`` or
+  ``20000 + (31 * SLURM_JOB_ID + SLURM_STEP_ID) mod 10000``; keyed by
+  ``RINGFLOW_SECRET_FILE`` (closed) or by the address (open).
 
 *Open* means: whoever can reach that port can read the keys, join the job, and send the ranks
 control messages they will unpickle, exactly as with torch.distributed's own stores; use it on a
@@ -276,7 +277,13 @@ def _slurm_address(env: Mapping[str, str]) -> tuple[str, int]:
 
 def _expand_hostlist(var: str, nodelist: str) -> list[str]:
     """Slurm's compressed host list (``node[01-03,7],gpu1``) expanded by ``scontrol`` where it
-    is installed, else by python-hostlist."""
+    is installed, else by python-hostlist. A list without brackets (``vm``, ``a,b``) is only
+    names separated by commas: no helper needed."""
+    if "[" not in nodelist:
+        hosts = [h.strip() for h in nodelist.split(",") if h.strip()]
+        if not hosts:
+            raise ConfigError(f"{var}={nodelist!r} names no host")
+        return hosts
     scontrol = shutil.which("scontrol")
     if scontrol:
         out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,

@@ -7,8 +7,8 @@ Every request names a *kind*; :data:`COLLECTIVES` says for each:
 - ``shape``: how shapes must agree: ``"full"``, ``"rows"`` (all but the first dimension:
   concatenations and splits along it), or ``"any"`` (not compared);
 - ``cacheable``: a negotiated request may be replaced by its response-cache bit next time;
-- ``joinable``: it proceeds while some members have joined (they take part with zeros, no rows,
-  or as relays);
+- ``joinable``: it proceeds while some members have joined (they take part with zeros); the
+  others fail on every member then, as in Horovod 0.28 (allgather and broadcast included);
 - ``fusable``: ready requests of this kind (same set, dtype, op, scales, device) become one item;
 - ``data``: it moves data on the data plane (the executor must run it: checked at import of
   :mod:`ringflow.executor`); otherwise the plan item alone completes it;
@@ -23,6 +23,7 @@ Every request names a *kind*; :data:`COLLECTIVES` says for each:
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,40 @@ import numpy as np
 from .errors import TensorError
 from .ops import ReduceOp
 
-__all__ = ["COLLECTIVES", "Collective", "collective", "local_error"]
+__all__ = ["COLLECTIVES", "EAGER_BYTES", "Collective", "Kind", "collective", "local_error"]
+
+
+class Kind(str, enum.Enum):
+    """The kinds of operation, a request's ``kind``. Each equals, hashes and formats as its
+    name as a string (what travels in requests, and what the table and messages always used),
+    so that code names a kind by the enum and plain strings still find it."""
+
+    ALLREDUCE = "allreduce"
+    ALLGATHER = "allgather"
+    BROADCAST = "broadcast"
+    ALLTOALL = "alltoall"
+    REDUCESCATTER = "reducescatter"
+    REDUCE = "reduce"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    BARRIER = "barrier"
+    JOIN = "join"
+    ADD_PROCESS_SET = "add_process_set"
+    REMOVE_PROCESS_SET = "remove_process_set"
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+#: Largest allreduce (per tensor, and per fused plan item) that travels to the coordinator with
+#: its cache bit and comes back reduced in the plan (ringflow.negotiation), and that the
+#: same-host lane's slots hold (ringflow.lane, its segment in ringflow.algorithms.shm). See
+#: benchmarks/engine_latency.py.
+EAGER_BYTES = 64 * 1024
 
 #: Fields compared across ranks for every kind (fields a kind does not use keep their defaults,
 #: which are then equal anyway).
@@ -100,8 +134,8 @@ def _splits(arr: np.ndarray, name: str, members: Sequence[int], f: Mapping[str, 
 COLLECTIVES: dict[str, Collective] = {c.kind: c for c in (
     Collective("allreduce", cacheable=True, joinable=True, fusable=True,
                checks=(_no_bool_scaling, _adasum_float)),
-    Collective("allgather", shape="rows", cacheable=True, joinable=True, fusable=True),
-    Collective("broadcast", cacheable=True, joinable=True, rooted=True),
+    Collective("allgather", shape="rows", cacheable=True, fusable=True),
+    Collective("broadcast", cacheable=True, rooted=True),
     Collective("alltoall", shape="rows", checks=(_has_rows("alltoall"), _splits)),
     Collective("reducescatter", cacheable=True,
                checks=(_no_bool_scaling, _no_adasum("reducescatter"), _has_rows("reducescatter"))),

@@ -6,7 +6,9 @@ cast *is* the fp16/bf16 compression; prescale is applied while packing), runs th
 the process set's link, and unpacks (the cast back decompresses). Allreduce takes the first
 enabled implementation of :class:`~ringflow.backends.Backends` (shared memory, hierarchical,
 native, ring), which may offer the buffer to pack into (shared memory saves a copy). A rank that
-joined takes part with zeros (allreduce), no rows (allgather), or as a relay (broadcast).
+joined takes part in allreduces with zeros (the only collective with data it takes part in;
+the paths for a joined rank's allgather and broadcast, no rows and a relay, are no longer
+planned: Horovod refuses both after a join, and so does the coordinator).
 
 Buffers: one fusion buffer per (device, wire dtype), grown and never shrunk. Outputs are fresh
 arrays unless the caller passed one (``out``, the in-place forms).

@@ -135,9 +135,7 @@ def report(exc: BaseException, tb: TracebackType | None = None) -> None:
 
 
 def _report(exc: BaseException, tb: TracebackType | None) -> None:
-    from . import runtime
-
-    engine, info, _ = runtime._state()
+    engine, info = _job()
     if info is None:
         return
     kind = "peer" if caused_by_peer(exc) else "crashed"
@@ -169,11 +167,20 @@ def read_status(store: Any, rank: int) -> Status | None:
         return None
 
 
-def install() -> None:
-    """Make an uncaught exception in the main thread call :func:`report` (``init()`` calls this;
-    a new job may report again)."""
-    global _previous_hook, _reported
+def _no_job() -> tuple[Any, Any]:
+    return None, None
+
+
+#: The running job as (engine, RankInfo), (None, None) without one: given by init().
+_job: Callable[[], tuple[Any, Any]] = _no_job
+
+
+def install(job: Callable[[], tuple[Any, Any]]) -> None:
+    """Make an uncaught exception in the main thread call :func:`report` (``init()`` calls this
+    with how to find the job's engine and RankInfo; a new job may report again)."""
+    global _previous_hook, _reported, _job
     with _lock:
+        _job = job
         _reported = None
         if sys.excepthook is not _excepthook:
             _previous_hook = sys.excepthook

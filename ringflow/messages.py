@@ -19,6 +19,12 @@ any frame is read; :func:`decode` accepts only the classes below. Rank 0 is the 
                                                       others go on: ``successor`` coordinates
                                                       from now on (sent after its last plan)
 
+Plans and handovers form the job's one *coordinator stream*: each carries its position in it
+(``seq``, counted from 0 across coordinators), and every rank takes them in in that order,
+keeping any that arrives early. Messages of one sender arrive in order, but those of successive
+coordinators come over different connections: a handover from rank 1 (or rank 1's first plan)
+can reach rank 2 before rank 0's last plan, which rank 2 must take in first.
+
 The timeline (:mod:`ringflow.timeline`), handled on the receiver's transport thread without
 the engine's lock, and only while a timeline is recorded::
 
@@ -53,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ProtocolError, RingflowError, from_wire
+from .requests import CachedAllreduce, Request, Response
 
 __all__ = ["TIMELINE", "Abort", "ClockProbe", "ClockReply", "Fatal", "Handover", "Heartbeat",
            "Message", "P2PData", "P2PReply", "Plan", "Submit", "TraceEvents", "decode", "encode"]
@@ -60,14 +67,16 @@ __all__ = ["TIMELINE", "Abort", "ClockProbe", "ClockReply", "Fatal", "Handover",
 
 @dataclasses.dataclass(frozen=True)
 class Submit:
-    requests: list[Any]  # negotiation.Request, new to the coordinator
+    requests: list[Request]  # new to the coordinator
     bits: list[int]  # response-cache bits of unchanged requests
-    data: list[Any]  # per bit: the prescaled tensor (allreduce of at most EAGER_BYTES) or None
+    #: per bit: the prescaled tensor (allreduce of at most collectives.EAGER_BYTES) or None
+    data: list[np.ndarray | None]
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    items: list[Any]  # negotiation.Response | negotiation.CachedAllreduce
+    items: list[Response | CachedAllreduce]
+    seq: int  # its place in the coordinator stream (see the module docstring)
     params: Any = None  # autotune.Params: the autotuner's new values, in force from this plan
 
 
@@ -106,6 +115,7 @@ class Handover:
     gone: dict[int, str]  # ranks that left, and why (the departing coordinator among them)
     joined: list[int]  # ranks that called join() and wait for the others
     next_set_id: int
+    seq: int  # its place in the coordinator stream: after every plan of the departing one
 
 
 # the timeline ------------------------------------------------------------------------------------

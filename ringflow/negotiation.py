@@ -9,7 +9,7 @@ Protocol (rank 0 of the job is the coordinator for every process set)::
   root, scale factors, compression, device, group). A rank whose tensor failed local validation
   still submits it, with ``error`` set, so that every rank learns of the failure.
 * A name is *ready* when every member of its process set has submitted it; ranks that called
-  ``join()`` count as submitted (they contribute zeros to allreduce, no rows to allgather).
+  ``join()`` count as submitted (they contribute zeros to allreduce; other kinds fail).
   A grouped name waits until every name of its group is ready.
 * When a name is ready its requests are validated against each other; any disagreement becomes an
   error response naming the tensor, the field and each rank's value, delivered to every rank.
@@ -34,129 +34,26 @@ whole allreduce costs one round trip to rank 0 instead of a round trip plus a co
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from .algorithms.local import reduce_parts
-from .collectives import COLLECTIVES, collective
-from .compression import Compression
-from .ops import DTYPES, ReduceOp
+from .collectives import COLLECTIVES, EAGER_BYTES, Kind, collective
+from .ops import ReduceOp
+from .requests import CachedAllreduce, Key, Request, Response, wire_dtype
 
-__all__ = ["CachedAllreduce", "Coordinator", "Request", "Response", "ResponseCache",
-           "on_the_wire"]
+__all__ = ["CachedAllreduce", "Coordinator", "Request", "Response", "ResponseCache"]
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, str]  # (process set id, tensor name)
 #: Names that begin with this are used once (a library numbers them, e.g. torch.distributed's
 #: collectives on backend "ringflow"): the response cache never takes them, since its bits are
 #: never reassigned and such a name would hold one for good.
 ONCE = "once:"
 
-#: Largest allreduce (per tensor, and per fused plan item) that travels to the coordinator with
-#: its cache bit and comes back reduced in the plan. See benchmarks/engine_latency.py.
-EAGER_BYTES = 64 * 1024
-
-
-@functools.cache
-def _wire_dtype(compression: str, dtype: str) -> np.dtype:
-    return Compression.by_name(compression).wire_dtype(DTYPES[dtype])
-
-
-@functools.lru_cache(maxsize=4096)
-def _rewired(req: Request, wire: str) -> Request:
-    return dataclasses.replace(req, compression=wire)
-
-
-def on_the_wire(item: Response) -> Response:
-    """``item`` as the executor runs it: with ``item.wire`` set, its requests travel in that
-    16-bit format (the coordinator set it only on float32 Sum/Average allreduces of host arrays
-    whose calls asked for no compression, larger than ``EAGER_BYTES``)."""
-    if not item.wire:
-        return item
-    return dataclasses.replace(item, requests=tuple(_rewired(r, item.wire)
-                                                    for r in item.requests))
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One rank's submission of one tensor: everything the ranks must agree on.
-
-    ``kind`` is a key of :data:`ringflow.collectives.COLLECTIVES`; ``root`` a global rank;
-    ``error`` a local validation failure, which fails the operation on every rank."""
-
-    name: str
-    kind: str
-    dtype: str = ""
-    shape: tuple[int, ...] = ()
-    reduce_op: int = 1
-    root: int = -1
-    prescale: float = 1.0
-    postscale: float = 1.0
-    compression: str = "none"
-    device: str = "cpu"
-    process_set: int = 0
-    group: str = ""
-    group_size: int = 0
-    splits: tuple[int, ...] = ()
-    error: str = ""
-    #: Where the user called (``file:line``, :func:`ringflow.submission.call_site`), for stall
-    #: reports; "" where unknown. Not compared: the same request from another line is cached.
-    site: str = dataclasses.field(default="", compare=False)
-
-    @property
-    def key(self) -> Key:
-        return (self.process_set, self.name)
-
-    @property
-    def nbytes(self) -> int:
-        if not self.dtype:
-            return 0
-        # math.prod, not np.prod: this runs per tensor per cycle (np.prod costs ~5 us).
-        return math.prod(self.shape) * self.wire_dtype.itemsize
-
-    @property
-    def wire_dtype(self) -> np.dtype:
-        return _wire_dtype(self.compression, self.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class Response:
-    """One plan item: an operation on one or more (fused) tensors, or an error for one name."""
-
-    kind: str
-    process_set: int
-    requests: tuple[Request, ...]  # one reference request per tensor, in fusion order
-    first_dims: tuple[tuple[int, ...], ...] = ()  # allgather: [tensor][member] first dimension
-    joined: tuple[int, ...] = ()  # global ranks that contribute zeros / no rows
-    error: str = ""
-    error_type: str = ""  # a class name from ringflow.errors
-    value: int = -1  # join: the last rank to join; add_process_set: the new id
-    #: The coordinator's wire compression for this item (``RINGFLOW_WIRE_COMPRESSION`` or the
-    #: autotuner's), in place of the requests' own ``none``: see :func:`on_the_wire`.
-    wire: str = ""
-    #: Pipeline chunk bytes of this item's algorithm (0: the built-in), the same on every rank.
-    chunk: int = 0
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(r.name for r in self.requests)
-
-
-@dataclasses.dataclass(frozen=True)
-class CachedAllreduce:
-    """A plan item of fused allreduces that every rank has cached: only their bits travel, and,
-    for small tensors the coordinator reduced itself, the fused result (wire dtype)."""
-
-    bits: tuple[int, ...]
-    result: np.ndarray | None = dataclasses.field(default=None, compare=False)
-    wire: str = ""  # as Response.wire
-    chunk: int = 0  # as Response.chunk
 
 
 class ResponseCache:
@@ -379,7 +276,7 @@ class Coordinator:
             eager = (cached_allreduce and not item.joined and payload is not None
                      and len(payload) == len(slot) and ref.reduce_op != ReduceOp.ADASUM)
             wire = self._wire_for(item, eager)
-            fkey = (item.kind, key[0], _wire_dtype(wire, ref.dtype) if wire else ref.wire_dtype,
+            fkey = (item.kind, key[0], wire_dtype(wire, ref.dtype) if wire else ref.wire_dtype,
                     ref.reduce_op, ref.prescale, ref.postscale, ref.device, item.joined,
                     cached_allreduce, eager, wire)
             fusable.setdefault(fkey, []).append((item, payload if eager else None))
@@ -396,7 +293,7 @@ class Coordinator:
     def _wire_for(self, item: Response, eager: bool) -> str:
         """The wire compression the coordinator gives ``item`` ("" for its requests' own)."""
         ref = item.requests[0]
-        if (not self.wire or eager or item.kind != "allreduce" or ref.compression != "none"
+        if (not self.wire or eager or item.kind != Kind.ALLREDUCE or ref.compression != "none"
                 or ref.dtype != "float32" or ref.device != "cpu" or ref.nbytes <= EAGER_BYTES
                 or ref.reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE)):
             return ""
@@ -460,15 +357,9 @@ class Coordinator:
             joinable = sorted(k for k, c in COLLECTIVES.items() if c.joinable)
             return _error(
                 first,
-                f"ranks {list(joined)} have joined, so they cannot take part in {first.kind} "
-                f"{first.name!r}; only {', '.join(joinable)} proceed past join()",
-                "TensorError",
-            )
-        if entry.rooted and first.root in joined:
-            return _error(
-                first,
-                f"{first.kind} of {first.name!r}: root rank {first.root} has joined, so it has "
-                f"no tensor to send; use a root that has not called join()",
+                f"{first.kind.capitalize()} is not supported with Join at this time (Horovod's "
+                f"text): ranks {list(joined)} have joined, so they cannot take part in "
+                f"{first.kind} {first.name!r}; only {', '.join(joinable)} proceed past join()",
                 "TensorError",
             )
         if entry.cacheable and not key[1].startswith(ONCE) and (
@@ -476,7 +367,10 @@ class Coordinator:
             # Only a name that has (or may get) a cache bit is ever submitted as one. Keeping
             # every name would grow without bound where names never repeat (unnamed tensors,
             # torch.distributed's numbered collectives).
-            self.known[key] = dict(slot)
+            # Merged, not replaced: a rank that joined submitted nothing, and it keeps the bit
+            # of its last request (a plan of cache bits changes no rank's memory of what it
+            # sent), which it may send again once it is back.
+            self.known.setdefault(key, {}).update(slot)
         if entry.rooted:
             first = slot[first.root]  # validated: a member, and every member names it
         if entry.shape == "rows":

@@ -55,10 +55,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-import operator
 import threading
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 
@@ -66,11 +65,8 @@ from . import ops as _ops
 from .errors import MismatchError, RingflowError, ShutdownError, TensorError, from_wire
 from .handles import Handle
 from .messages import P2PData, P2PReply, encode
-from .runtime import running
-from .submission import as_array
 
-__all__ = ["CHUNK_BYTES", "P2PHandle", "PointToPoint", "Tag", "check_peer", "check_tag",
-           "start_recv", "start_send"]
+__all__ = ["CHUNK_BYTES", "P2PHandle", "PointToPoint", "Tag", "describe_tag"]
 
 #: The most array bytes one P2PData frame carries (its header adds under 100 bytes), far below
 #: MAX_CTRL_BYTES (64 MiB): the receiver copies each frame into place while the next arrives,
@@ -166,7 +162,7 @@ def _clone(error: BaseException) -> BaseException:
         return ShutdownError(str(error))
 
 
-def _describe(tag: Tag) -> str:
+def describe_tag(tag: Tag) -> str:
     return f"tag {tag}" if isinstance(tag, int) else f"gradient tag {tag[0]} (message #{tag[1]})"
 
 
@@ -213,7 +209,7 @@ class PointToPoint:
                 raise _clone(self._refuse)
             seq = self._seq
             self._seq += 1
-            handle = P2PHandle(f"send to rank {dst}, {_describe(tag)}", dst, tag, seq, tracked)
+            handle = P2PHandle(f"send to rank {dst}, {describe_tag(tag)}", dst, tag, seq, tracked)
             gone = self._gone.get(dst)
             if gone is None and not error:
                 self._sends[(dst, seq)] = handle
@@ -254,7 +250,7 @@ class PointToPoint:
         Raises:
             HorovodInternalError: the job failed or was shut down (its error, at the call).
         """
-        handle = P2PHandle(f"receive from rank {src}, {_describe(tag)}", src, tag)
+        handle = P2PHandle(f"receive from rank {src}, {describe_tag(tag)}", src, tag)
         recv = _Recv(handle, src, tag, out, shape, dtype)
         replies: list = []
         finished: list = []
@@ -374,7 +370,7 @@ class PointToPoint:
         dtype = "any dtype" if recv.dtype is None else str(recv.dtype)
         shape = "" if recv.shape is None else f" (shape {recv.shape})"
         return (f"point-to-point message #{inc.seq} from rank {inc.src} to rank {self.rank}, "
-                f"{_describe(inc.tag)}: rank {inc.src} sent {size} elements of {sent_dtype} "
+                f"{describe_tag(inc.tag)}: rank {inc.src} sent {size} elements of {sent_dtype} "
                 f"(shape {inc.shape}), rank {self.rank} expected {expected} elements of {dtype}"
                 f"{shape}; give recv an out=, shape= and dtype= that match the send (or no "
                 "shape and dtype, to take the sender's)")
@@ -399,102 +395,3 @@ class PointToPoint:
                 self._send_ctrl(encode(reply), dst)
         for handle, value, error in finished:
             handle._finish(value, error)
-
-
-# calls: arguments checked on this rank, then the running engine's PointToPoint ------------------
-def start_send(array: Any, dst: Any, tag: Any, tracked: bool = False) -> P2PHandle:
-    """``isend`` of the numpy API and the adapters. An ``array`` that cannot be sent (its dtype,
-    an adapter's :class:`~ringflow._adapter.Invalid`) fails the handle and the matching receive
-    with the same text; ``tag`` may also be a gradient tag ``(tag, seq)`` (adapters).
-
-    Raises:
-        TensorError: ``dst`` is not another rank, or ``tag`` is not an int.
-        NotInitializedError / HorovodInternalError: no job, or the job has failed.
-    """
-    eng = running()
-    dst = check_peer(dst, eng.rank, eng.size, "dst")
-    tag = _gradient_tag(tag) if isinstance(tag, tuple) else check_tag(tag)
-    arr, error = as_array(array, f"the array sent to rank {dst} ({_describe(tag)})")
-    return cast(P2PHandle, eng.p2p.isend(arr, dst, tag, tracked, error))
-
-
-def start_recv(src: Any, tag: Any, out: Any = None, shape: Any = None,
-               dtype: Any = None) -> P2PHandle:
-    """``irecv`` of the numpy API and the adapters (see :meth:`PointToPoint.irecv`).
-
-    Raises:
-        TensorError: ``src`` is not another rank, ``tag`` is not an int, or ``out`` / ``shape``
-            / ``dtype`` cannot describe an array ringflow moves (or disagree with each other).
-        NotInitializedError / HorovodInternalError: no job, or the job has failed.
-    """
-    eng = running()
-    src = check_peer(src, eng.rank, eng.size, "src")
-    tag = _gradient_tag(tag) if isinstance(tag, tuple) else check_tag(tag)
-    what = f"recv from rank {src} ({_describe(tag)})"
-    want_shape = None
-    if shape is not None:
-        try:
-            dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-            want_shape = tuple(operator.index(d) for d in dims)
-        except TypeError:
-            raise TensorError(f"{what}: shape must be a tuple of ints, got {shape!r}") from None
-        if any(d < 0 for d in want_shape):
-            raise TensorError(f"{what}: shape {want_shape} has a negative dimension")
-    want_dtype = None
-    if dtype is not None:
-        try:
-            want_dtype = _ops.check_dtype(np.dtype(dtype), what)
-        except TypeError:
-            raise TensorError(f"{what}: dtype {dtype!r} is not a numpy dtype") from None
-    if out is not None:
-        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous \
-                or not out.flags.writeable:
-            raise TensorError(f"{what}: out must be a writable, C-contiguous numpy array, got "
-                              f"{type(out).__name__}")
-        _ops.check_dtype(out.dtype, f"{what}: out")
-        if want_shape is not None and math.prod(want_shape) != out.size:
-            raise TensorError(f"{what}: out has {out.size} elements but shape={want_shape} "
-                              f"has {math.prod(want_shape)}; pass one or the other")
-        if want_dtype is not None and want_dtype != out.dtype:
-            raise TensorError(f"{what}: out has dtype {out.dtype} but dtype={want_dtype}; pass "
-                              "one or the other")
-    return cast(P2PHandle, eng.p2p.irecv(src, tag, out, want_shape, want_dtype))
-
-
-def _gradient_tag(tag: tuple[Any, ...]) -> tuple[int, int]:
-    try:
-        forward, seq = tag
-        return operator.index(forward), operator.index(seq)
-    except (TypeError, ValueError):
-        raise TensorError(f"a gradient tag is (tag, seq) of ints, got {tag!r}") from None
-
-
-# argument checks (at the call, on this rank only) ------------------------------------------------
-def check_peer(peer: Any, rank: int, size: int, what: str) -> int:
-    """``peer`` as a rank other than ``rank`` of a job of ``size``.
-
-    Raises:
-        TensorError: it is not an int, outside ``0 .. size-1``, or this rank.
-    """
-    try:
-        value = operator.index(peer)
-    except TypeError:
-        raise TensorError(f"{what} rank must be an int, got {type(peer).__name__}") from None
-    if not 0 <= value < size or value == rank:
-        raise TensorError(
-            f"{what} rank {value} is not another rank of this job: expected 0 <= {what} < "
-            f"{size} and {what} != {rank} (this rank)")
-    return value
-
-
-def check_tag(tag: Any) -> int:
-    """``tag`` as an int.
-
-    Raises:
-        TensorError: it is not an int.
-    """
-    try:
-        return operator.index(tag)
-    except TypeError:
-        raise TensorError(f"a point-to-point tag must be an int, got {type(tag).__name__}"
-                          ) from None

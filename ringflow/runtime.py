@@ -20,17 +20,17 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import failure, fault
+from . import devices, failure, fault
 from .client import Client, local_client
 from .config import Config
 from .errors import ConfigError, NotInitializedError
 from .topology import RankInfo
 
 if TYPE_CHECKING:
-    from .process_sets import ProcessSet
+    from .engine import Engine
 
 __all__ = ["Binding", "bound", "cross_rank", "cross_size", "get_client", "info", "init",
            "is_initialized", "local_rank", "local_size", "rank", "running", "shutdown", "size",
@@ -39,7 +39,7 @@ __all__ = ["Binding", "bound", "cross_rank", "cross_size", "get_client", "info",
 log = logging.getLogger(__name__)
 
 _state_lock = threading.Lock()
-_engine: Any = None
+_engine: Engine | None = None
 _info: Any = None
 _client: Any = None
 _generation = itertools.count()
@@ -84,19 +84,19 @@ def _state() -> tuple[Any, Any, Any]:
     return binding.engine, binding.info, binding.client
 
 
-def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
-         rank: int | None = None, size: int | None = None, init_method: str | None = None,
-         local_rank: int | None = None, local_size: int | None = None,
-         store: Any = None) -> None:
+def init(comm: Any = None, *, rank: int | None = None, size: int | None = None,
+         init_method: str | None = None, local_rank: int | None = None,
+         local_size: int | None = None, store: Any = None) -> None:
     """Join the job that started this process: ringflow-run, mpirun, srun, torchrun, torch's
     env:// contract, a process where torch.distributed is initialised, ... (the detectors and
     where each finds its peers: ringflow.topology and ringflow.bootstrap).
 
-    Calling it again while initialized does nothing. ``process_sets`` are added (collectively)
-    right after. ``comm``, an mpi4py intracommunicator, makes the job of just its ranks
-    (Horovod's ``hvd.init(comm=...)``): every rank of ``comm`` must call ``init(comm=comm)``;
-    ranks, local and cross values come from the communicator, and the transport is ``mpi`` over
-    a private duplicate of it unless RINGFLOW_TRANSPORT names another one.
+    Calling it again while initialized does nothing (the public :func:`ringflow.init` also adds
+    process sets, collectively, right after). ``comm``, an mpi4py intracommunicator, makes the
+    job of just its ranks (Horovod's ``hvd.init(comm=...)``): every rank of ``comm`` must call
+    ``init(comm=comm)``; ranks, local and cross values come from the communicator, and the
+    transport is ``mpi`` over a private duplicate of it unless RINGFLOW_TRANSPORT names another
+    one.
 
     For processes a script starts itself (torch.distributed's and MegEngine's style): ``rank``
     and ``size`` (both, or neither) with ``init_method`` ``"env://"`` (MASTER_ADDR and
@@ -183,14 +183,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
         log.debug("configuration: %s", config)
         if info.detector == "ringflow":
             _exit_on_sigterm()
-        failure.install()
-        from . import submission
-
-        submission.reset_names()
-    from .process_sets import add_process_set
-
-    for ps in process_sets or ():
-        add_process_set(ps)
+        failure.install(lambda: _state()[:2])
+        devices.forget()  # a fresh job claims its devices again
 
 
 def get_client() -> Client:
@@ -245,7 +239,7 @@ def is_initialized() -> bool:
     return _state()[0] is not None
 
 
-def running() -> Any:
+def running() -> Engine:
     """The running :class:`~ringflow.engine.Engine`.
 
     Raises:

@@ -17,12 +17,14 @@ before the engine's work. Anything else is read with ``np.asarray``.
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -33,22 +35,28 @@ from .errors import AdasumError, RingflowError, TensorError
 from .handles import Handle
 from .negotiation import Request
 from .ops import ReduceOp
+from .p2p import P2PHandle, describe_tag
 from .process_sets import ProcessSet, set_id
 from .runtime import rank, running, size
 
-__all__ = ["GroupHandle", "call_site", "name_of", "reset_names", "scales", "submit",
-           "submit_group", "submit_many"]
+__all__ = ["GroupHandle", "call_site", "check_peer", "check_tag", "joined", "name_of",
+           "scales", "start_recv", "start_send", "submit", "submit_group", "submit_many"]
 
 # engine -> "kind/process set" -> call counter
 _counters: weakref.WeakKeyDictionary[Any, dict[str, itertools.count]] = (
     weakref.WeakKeyDictionary())
 
 
-def reset_names() -> None:
-    """A fresh job (``init()``): unnamed tensors are counted from 0 again on every rank, and
-    devices are claimed again."""
-    _counters.clear()
-    devices.forget()
+def joined() -> None:
+    """``join()`` returned: this rank's unnamed tensors are counted from 0 again.
+
+    Every rank leaves ``join()`` at the same point of the job, but a rank that joined early
+    skipped the unnamed calls the others made meanwhile: counted on, its next barrier or
+    unnamed allreduce would pair with another call on the others (a deadlock, or a mismatch).
+    Every operation submitted before the join has been planned once it returns, so the names
+    are free again (and a loop that joins at the end of each epoch keeps its names cached).
+    """
+    _counters.pop(running(), None)
 
 
 def name_of(kind: str, name: str | None, ps: int) -> str:
@@ -301,3 +309,102 @@ class GroupHandle(Handle):
             fn(self)
         for h in self.handles:
             h.add_done_callback(one)
+
+
+# point to point: arguments checked on this rank, then the running engine's PointToPoint -------
+def start_send(array: Any, dst: Any, tag: Any, tracked: bool = False) -> P2PHandle:
+    """``isend`` of the numpy API and the adapters. An ``array`` that cannot be sent (its dtype,
+    an adapter's :class:`~ringflow._adapter.Invalid`) fails the handle and the matching receive
+    with the same text; ``tag`` may also be a gradient tag ``(tag, seq)`` (adapters).
+
+    Raises:
+        TensorError: ``dst`` is not another rank, or ``tag`` is not an int.
+        NotInitializedError / HorovodInternalError: no job, or the job has failed.
+    """
+    eng = running()
+    dst = check_peer(dst, eng.rank, eng.size, "dst")
+    tag = _gradient_tag(tag) if isinstance(tag, tuple) else check_tag(tag)
+    arr, error = as_array(array, f"the array sent to rank {dst} ({describe_tag(tag)})")
+    return cast(P2PHandle, eng.p2p.isend(arr, dst, tag, tracked, error))
+
+
+def start_recv(src: Any, tag: Any, out: Any = None, shape: Any = None,
+               dtype: Any = None) -> P2PHandle:
+    """``irecv`` of the numpy API and the adapters (see :meth:`PointToPoint.irecv`).
+
+    Raises:
+        TensorError: ``src`` is not another rank, ``tag`` is not an int, or ``out`` / ``shape``
+            / ``dtype`` cannot describe an array ringflow moves (or disagree with each other).
+        NotInitializedError / HorovodInternalError: no job, or the job has failed.
+    """
+    eng = running()
+    src = check_peer(src, eng.rank, eng.size, "src")
+    tag = _gradient_tag(tag) if isinstance(tag, tuple) else check_tag(tag)
+    what = f"recv from rank {src} ({describe_tag(tag)})"
+    want_shape = None
+    if shape is not None:
+        try:
+            dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+            want_shape = tuple(operator.index(d) for d in dims)
+        except TypeError:
+            raise TensorError(f"{what}: shape must be a tuple of ints, got {shape!r}") from None
+        if any(d < 0 for d in want_shape):
+            raise TensorError(f"{what}: shape {want_shape} has a negative dimension")
+    want_dtype = None
+    if dtype is not None:
+        try:
+            want_dtype = _ops.check_dtype(np.dtype(dtype), what)
+        except TypeError:
+            raise TensorError(f"{what}: dtype {dtype!r} is not a numpy dtype") from None
+    if out is not None:
+        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous \
+                or not out.flags.writeable:
+            raise TensorError(f"{what}: out must be a writable, C-contiguous numpy array, got "
+                              f"{type(out).__name__}")
+        _ops.check_dtype(out.dtype, f"{what}: out")
+        if want_shape is not None and math.prod(want_shape) != out.size:
+            raise TensorError(f"{what}: out has {out.size} elements but shape={want_shape} "
+                              f"has {math.prod(want_shape)}; pass one or the other")
+        if want_dtype is not None and want_dtype != out.dtype:
+            raise TensorError(f"{what}: out has dtype {out.dtype} but dtype={want_dtype}; pass "
+                              "one or the other")
+    return cast(P2PHandle, eng.p2p.irecv(src, tag, out, want_shape, want_dtype))
+
+
+def _gradient_tag(tag: tuple[Any, ...]) -> tuple[int, int]:
+    try:
+        forward, seq = tag
+        return operator.index(forward), operator.index(seq)
+    except (TypeError, ValueError):
+        raise TensorError(f"a gradient tag is (tag, seq) of ints, got {tag!r}") from None
+
+
+# argument checks (at the call, on this rank only) ------------------------------------------------
+def check_peer(peer: Any, rank: int, size: int, what: str) -> int:
+    """``peer`` as a rank other than ``rank`` of a job of ``size``.
+
+    Raises:
+        TensorError: it is not an int, outside ``0 .. size-1``, or this rank.
+    """
+    try:
+        value = operator.index(peer)
+    except TypeError:
+        raise TensorError(f"{what} rank must be an int, got {type(peer).__name__}") from None
+    if not 0 <= value < size or value == rank:
+        raise TensorError(
+            f"{what} rank {value} is not another rank of this job: expected 0 <= {what} < "
+            f"{size} and {what} != {rank} (this rank)")
+    return value
+
+
+def check_tag(tag: Any) -> int:
+    """``tag`` as an int.
+
+    Raises:
+        TensorError: it is not an int.
+    """
+    try:
+        return operator.index(tag)
+    except TypeError:
+        raise TensorError(f"a point-to-point tag must be an int, got {type(tag).__name__}"
+                          ) from None

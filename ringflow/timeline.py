@@ -67,6 +67,7 @@ from typing import IO, Any
 
 from . import threads
 from .messages import ClockProbe, ClockReply, TraceEvents
+from .requests import Key
 
 __all__ = ["FINAL_WAIT_S", "PROBES", "WINDOW", "Timeline", "TraceWriter", "answer_probe",
            "rank_metadata"]
@@ -85,7 +86,6 @@ _READY_KEPT = 64
 
 _clock: Callable[[], float] = time.perf_counter  # tests shift one rank's clock
 
-Key = tuple[int, str]
 #: A finished operation: (process set, name, kind, called, planned, data plane start or None,
 #: done, tensors fused, error text); or an optimizer's step: ("step", first gradient ready,
 #: backward's end, exchange's end, metrics).

@@ -30,7 +30,8 @@ from ..ops import ReduceOp
 from .buffers import even_split
 from .nccl import DeviceComm
 
-__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "gather", "reducescatter"]
+__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "gather", "reducescatter",
+           "self_test"]
 
 
 def _scale(comm: DeviceComm, ns: Any, buf: Any, op: ReduceOp, postscale: float) -> None:
@@ -154,3 +155,45 @@ def gather(comm: DeviceComm, ns: Any, array: Any, counts: list[int], root: int,
     comm.wait(what)
     return out
 
+
+def self_test(provider: str) -> str:
+    """Run a one-rank allreduce and broadcast on GPU 0 through ``provider`` ("cupy" or "torch");
+    return its NCCL version text. Raises whatever stopped it (``ringflow-run --check-build``
+    reports a provider as usable only after this ran, in a child process)."""
+    from ..rendezvous import MemoryStore
+    if provider == "cupy":
+        from .nccl import CupyNccl, _cupy, version_text
+
+        cp, binding = _cupy()
+        from ..devices.cupy_cuda import CupyNamespace
+
+        comm: Any = CupyNccl(0, 1, MemoryStore(), "selftest/", 0, 30.0)
+        ns, make, host = CupyNamespace(), cp.asarray, cp.asnumpy
+        version = f"cupy {cp.__version__}, NCCL {version_text(int(binding.get_version()))}"
+    else:
+        import torch
+
+        from ..devices.torch_tensors import TorchNamespace
+        from .nccl_torch import TorchNccl
+        from .nccl_torch import unusable_reason as torch_reason
+        from .nccl_torch import version as torch_nccl
+
+        if torch_reason():
+            raise RuntimeError(torch_reason())
+        comm = TorchNccl(0, 1, MemoryStore(), "selftest/", 0, 30.0)
+        ns, host = TorchNamespace(), (lambda t: t.cpu().numpy())
+
+        def make(a: np.ndarray) -> Any:
+            return torch.from_numpy(a).cuda()
+
+        version = f"torch {torch.__version__}, NCCL {torch_nccl()}"
+    try:
+        x = make(np.arange(5, dtype=np.float32))
+        allreduce(comm, ns, x, ReduceOp.AVERAGE, 2.0, "the self-test's allreduce")
+        broadcast(comm, ns, x, 0, "the self-test's broadcast")
+        got = host(x)
+        if not np.array_equal(got, np.arange(5, dtype=np.float32) * 2):
+            raise RuntimeError(f"a one-rank allreduce of [0 1 2 3 4] (x2) gave {got}")
+    finally:
+        comm.close()
+    return version

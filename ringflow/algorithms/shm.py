@@ -76,7 +76,7 @@ the ranks not there yet (one that arrived may have finished and shut down since)
 (``timeout_s``), so a dead or frozen rank ends the wait with the same errors as on the TCP path.
 Every size takes these paths: even at 4 KiB two flag barriers beat the TCP ring's socket exchanges
 and thread hand-offs (engine path, 2 / 4 ranks, two runs each: 0.50-0.85 / 1.3-1.6 ms against
-0.87-1.12 / 2.5-2.8 ms over TCP). Allreduces of at most ``negotiation.EAGER_BYTES`` that the
+0.87-1.12 / 2.5-2.8 ms over TCP). Allreduces of at most ``collectives.EAGER_BYTES`` that the
 response cache knows never get here: the coordinator reduces them (see :mod:`ringflow.engine`).
 """
 
@@ -95,10 +95,10 @@ from typing import Any
 import numpy as np
 
 from .. import fault
+from ..collectives import EAGER_BYTES
 from ..errors import PeerError, RingflowTimeoutError, SharedMemoryError
 from ..lane import LINE as _LINE
 from ..lane import Lane
-from ..negotiation import EAGER_BYTES
 from ..ops import ReduceOp, check_dtype
 from .buffers import chunk_elems, chunk_ranges, even_split
 from .local import reduce_parts

@@ -8,7 +8,7 @@ installed (``mpi``: mpi4py); a GPU is one that ``nvidia-smi -L`` lists. Two exce
 (about 0.2 s; importing mpi4py.MPI here would initialize MPI), and NCCL (not a transport: the
 collectives of CUDA buffers, :class:`ringflow.backends.Nccl`): where nvidia-smi lists a GPU,
 each provider (cupy's binding, torch's ProcessGroupNCCL) is marked usable only once a child
-process has run a one-rank allreduce through it (:func:`ringflow.algorithms.nccl.self_test`),
+process has run a one-rank allreduce through it (:func:`ringflow.algorithms.device.self_test`),
 and the first that ran is the one in use. A GPU machine takes a few seconds for it.
 """
 
@@ -51,8 +51,8 @@ def _gpus() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.startswith("GPU")]
 
 
-_SELF_TEST = ("import sys\nfrom ringflow.algorithms import nccl\n"
-              "print(nccl.self_test(sys.argv[1]))")
+_SELF_TEST = ("import sys\nfrom ringflow.algorithms import device\n"
+              "print(device.self_test(sys.argv[1]))")
 
 
 def _self_test(provider: str) -> tuple[bool, str]:

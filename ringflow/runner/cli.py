@@ -1,5 +1,9 @@
 """The ``ringflow-run`` command line (horovodrun's flags; DESIGN.md sections 5 and 6).
 
+Over 600 lines on purpose: most of it is the table of flags, with the help text
+``ringflow-run --help`` prints and the notes of the other launchers' spellings; the logic is
+in :mod:`.launch` and :mod:`.dialects`.
+
 ::
 
     ringflow-run -np N [-H HOST:SLOTS,... | --hostfile FILE] [options] COMMAND [ARGS...]
@@ -154,7 +158,7 @@ from ..errors import ConfigError, LaunchError
 from . import dialects
 from .configfile import load_config_file, read_config_file
 from .hosts import Host, assign_ranks, is_local, parse_hostfile, parse_hosts
-from .launch import TORCHRUN_ENV, run_job
+from .launch import HOROVOD_ENV, TORCHRUN_ENV, run_job
 from .ssh import SshOptions
 
 __all__ = ["TUNING", "main", "worker_overrides"]
@@ -344,7 +348,7 @@ def worker_overrides(args: argparse.Namespace) -> dict[str, str]:
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: What ringflow-run sets for every worker itself; ``-x`` may not set or forward these.
-_SET_BY_LAUNCHER = frozenset(ENV_CONTRACT) | frozenset(TORCHRUN_ENV)
+_SET_BY_LAUNCHER = frozenset(ENV_CONTRACT) | frozenset(TORCHRUN_ENV) | frozenset(HOROVOD_ENV)
 
 
 def _exports(specs: Sequence[str]) -> tuple[list[str], dict[str, str]]:

@@ -1,5 +1,9 @@
 """Start, supervise and stop the workers of one job, on this host and over ssh.
 
+Over 600 lines on purpose: the launcher-to-worker contract (the environment) and the whole
+life of a local job (start, relay, supervise, stop, root cause) are one state machine, and
+split apart their shared state (processes, pipes, exits) would travel through every call.
+
 :func:`run_job` is the whole life of a job: it generates a secret, starts a rendezvous
 ``StoreServer`` (on 127.0.0.1 when every host is this machine: a single-host job never listens
 beyond loopback; else on the address the other hosts route to, see :mod:`.netif`), starts one
@@ -30,7 +34,10 @@ Each worker
       hosts, as torchrun's node rank and node count), ``ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME``
       (one role, ``default``), and ``MASTER_ADDR, MASTER_PORT``, so that scripts written for
       torchrun and ``torch.distributed.init_process_group()`` (``env://``) work unchanged.
-      ringflow itself never reads them here (``RINGFLOW_RANK`` comes first). ``MASTER_ADDR`` is
+      ringflow itself never reads them here (``RINGFLOW_RANK`` comes first). Likewise
+      horovodrun's (:data:`HOROVOD_ENV`: ``HOROVOD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE,
+      _CROSS_RANK, _CROSS_SIZE, _HOSTNAME``), which scripts and Horovod's own tests read.
+      ``MASTER_ADDR`` is
       rank 0's host: the store's address when rank 0 runs on this host (``127.0.0.1`` for a
       single-host job), else its name in the host list. ``MASTER_PORT`` is a port nothing of
       ringflow uses, for rank 0's torch to listen on: :func:`reserve_port` keeps it bound
@@ -94,7 +101,8 @@ from .ssh import SshOptions, ssh_argv
 from .supervisor import PATH as SUPERVISOR
 
 __all__ = [
-    "DEFAULT_GRACE_S", "MEMCPY_TUNABLE", "TORCHRUN_ENV", "JobResult", "LocalJob", "WorkerExit",
+    "DEFAULT_GRACE_S", "HOROVOD_ENV", "MEMCPY_TUNABLE", "TORCHRUN_ENV", "JobResult", "LocalJob",
+    "WorkerExit",
     "glibc_tunables", "reserve_port", "run_job", "start_store", "worker_environ",
 ]
 
@@ -143,6 +151,12 @@ TORCHRUN_ENV = (
 )
 
 
+#: horovodrun's launcher -> worker variables (horovod/runner/gloo_run.py) that every worker
+#: gets too, for scripts written for horovodrun.
+HOROVOD_ENV = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+               "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME")
+
+
 def worker_environ(
     spec: WorkerSpec,
     *,
@@ -159,7 +173,7 @@ def worker_environ(
     otherwise those of ``base_env`` are removed, since they would name another job's master.
     """
     env = dict(os.environ if base_env is None else base_env)
-    for stale in ("RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE"):
+    for stale in ("RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE", "RINGFLOW_LIFELINE"):
         env.pop(stale, None)
     env.update({
         "RINGFLOW_RANK": str(spec.rank),
@@ -182,6 +196,13 @@ def worker_environ(
         "ROLE_RANK": str(spec.rank),
         "ROLE_WORLD_SIZE": str(spec.size),
         "ROLE_NAME": "default",
+        "HOROVOD_RANK": str(spec.rank),
+        "HOROVOD_SIZE": str(spec.size),
+        "HOROVOD_LOCAL_RANK": str(spec.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(spec.local_size),
+        "HOROVOD_CROSS_RANK": str(spec.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(spec.cross_size),
+        "HOROVOD_HOSTNAME": spec.host,
     })
     for name, value in (("MASTER_ADDR", master_addr), ("MASTER_PORT", master_port)):
         if value is None:

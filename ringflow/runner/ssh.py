@@ -52,11 +52,16 @@ FORWARDED = frozenset({
     # torchrun's contract, which every worker gets (launch.TORCHRUN_ENV).
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    # horovodrun's (launch.HOROVOD_ENV)
+    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+    "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
 })
 #: Prefixes of variables copied likewise (ringflow's own knobs, locale, NCCL tuning).
 FORWARDED_PREFIXES = ("RINGFLOW_", "LC_", "NCCL_")
-#: Never forwarded: the secret's carriers, which are per process and host.
-_NEVER = frozenset({"RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE", "RINGFLOW_LAUNCHER_PID"})
+#: Never forwarded: the secret's carriers and the supervisor's lifeline, which are per process
+#: and host.
+_NEVER = frozenset({"RINGFLOW_SECRET_FD", "RINGFLOW_SECRET_FILE", "RINGFLOW_LAUNCHER_PID",
+                    "RINGFLOW_LIFELINE"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,10 @@ processes that stay in them, so each worker runs under this supervisor, which ou
    from ``/dev/null``, stdout and stderr inherited (the launcher's pipes, or ssh's), the secret on
    an inherited pipe named by ``RINGFLOW_SECRET_FD``, and ``RINGFLOW_LAUNCHER_PID`` set to its own
    pid. The worker leads a session of its own and, on Linux, dies with the supervisor
-   (``PR_SET_PDEATHSIG``).
+   (``PR_SET_PDEATHSIG``). That reaches the worker only, which may be a shell; so the worker
+   also inherits the read end of a *lifeline* pipe whose only write end the supervisor holds
+   (``RINGFLOW_LIFELINE``): a rank that imports ringflow leaves when it reads end of file
+   there, however the supervisor died (:mod:`ringflow.lifeline`).
 2. On Linux it is a *child subreaper* (``PR_SET_CHILD_SUBREAPER``): a process of the worker's
    whose parent exits is re-parented to the supervisor, not to init, so every process the worker
    ever started stays its descendant, whatever session it moved to.
@@ -202,9 +205,13 @@ def supervise(
     os.write(write_fd, secret + b"\n")  # a few dozen bytes: never blocks on a fresh pipe
     os.close(write_fd)
     env["RINGFLOW_SECRET_FD"] = str(read_fd)
+    # The lifeline (module doc, 1): this process keeps the write end, not inheritable, until it
+    # ends; nothing is ever written to it.
+    life_r, _life_w = os.pipe()
+    env["RINGFLOW_LIFELINE"] = f"{life_r}:{os.fstat(life_r).st_ino}"
     try:
         proc = subprocess.Popen(
-            list(command), env=env, stdin=subprocess.DEVNULL, pass_fds=(read_fd,),
+            list(command), env=env, stdin=subprocess.DEVNULL, pass_fds=(read_fd, life_r),
             start_new_session=True, preexec_fn=_die_with_parent(os.getpid(), prctl),
         )
     except OSError as exc:
@@ -212,6 +219,7 @@ def supervise(
         return 127
     finally:
         os.close(read_fd)
+        os.close(life_r)
 
     def watch() -> None:
         with contextlib.suppress(OSError):

@@ -46,7 +46,8 @@ import tensorflow as tf
 import ringflow as _core
 from ringflow import _adapter as kit
 from ringflow.errors import ShutdownError, TensorError
-from ringflow.p2p import P2PHandle, check_peer, check_tag, start_recv, start_send
+from ringflow.p2p import P2PHandle
+from ringflow.submission import check_peer, check_tag, start_recv, start_send
 
 from .mpi_ops import _call, _plain
 

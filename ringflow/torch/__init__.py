@@ -30,8 +30,6 @@ Differences from Horovod 0.28 (each one deliberate):
   Chrome-trace file per rank.
 - ``allreduce`` of a sparse COO tensor takes ``sparse_allreduce_async``'s path (Horovod raises
   ``ValueError``), whose result is coalesced; ops other than Sum/Average raise there.
-- ``join()`` lets the other ranks go on with allgather and broadcast too (Horovod supports only
-  allreduce after a join).
 - ``broadcast_object`` / ``allgather_object`` use a fixed default name (Horovod's is the type's
   name, which differs when non-root ranks pass ``None``); ``broadcast_optimizer_state`` handles
   every ``torch.optim`` optimizer, LBFGS included, and state present on some ranks only.

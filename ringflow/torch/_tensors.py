@@ -39,13 +39,12 @@ SUPPORTED = (
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """The numpy view of a contiguous, detached CPU tensor (no copy).
-
-    A 0-dim tensor is seen as shape (1,): the core treats every array as at least 1-d
-    (``np.ascontiguousarray``), and an ``out`` of shape () would not match its request.
-    """
-    a = t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
-    return a.reshape(1) if a.ndim == 0 else a
+    """The numpy view of a contiguous, detached CPU tensor (no copy), of the same shape: a 0-dim
+    tensor stays 0-dim, so that the core's rules see it (a reducescatter or alltoall of one
+    fails on every rank; an allgather takes it as one row)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
 
 
 def from_numpy(a: np.ndarray) -> torch.Tensor:

@@ -74,9 +74,11 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
     """Create a fresh optimizer's state with one zero-gradient step, as Horovod does.
 
     Horovod's trick, made harmless: the parameters (which the step may move through weight decay)
-    and the gradients are restored afterwards. ``DistributedOptimizer.step`` would synchronize, so
-    the base class's ``step`` is called. Optimizers whose step needs more than a gradient (LBFGS
-    needs a closure) keep their empty state.
+    are restored afterwards, and so are gradients that existed. A parameter that had none keeps
+    the zero gradient, as under Horovod, whose users read it (Horovod's own
+    test_broadcast_state_no_grad broadcasts it). ``DistributedOptimizer.step`` would
+    synchronize, so the base class's ``step`` is called. Optimizers whose step needs more than a
+    gradient (LBFGS needs a closure) keep their empty state.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         return
@@ -93,7 +95,8 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
             for p, data, grad in saved:
                 p.copy_(data)
-                p.grad = grad
+                if grad is not None:
+                    p.grad = grad
 
 
 def _state_items(optimizer: torch.optim.Optimizer) -> dict[tuple[int, int], dict[str, Any]]:

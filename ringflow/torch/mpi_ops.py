@@ -1,5 +1,9 @@
 """Collectives on torch tensors with Horovod 0.28's names, signatures and autograd rules.
 
+Over 600 lines on purpose: one short function per Horovod name and form (``op``,
+``op_async``, ``op_``) of twelve collectives, each converting tensors and calling the core; the
+shared logic (names, ops, gradient rules) is in :mod:`ringflow._adapter`.
+
 Every collective has Horovod's forms: ``op`` (synchronous and differentiable), ``op_async``
 (returns a handle for :func:`poll` / :func:`synchronize`) and, where Horovod has them, ``op_`` /
 ``op_async_`` (in place). Tensors reach the engine without a copy (:mod:`._tensors`), CUDA
@@ -493,14 +497,14 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
                    process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start sending ``splits[d]`` rows of ``tensor`` to rank ``d`` of ``process_set``.
 
-    Without ``splits`` the first dimension is divided as evenly as possible, lower ranks first.
-    :func:`synchronize` returns ``(received rows, received splits as an int32 tensor)``.
+    Without ``splits`` every rank gets an equal share of the rows; a first dimension that is not
+    a multiple of the set's size fails the operation on every rank with a TensorError (a
+    ValueError, as Horovod's). :func:`synchronize` returns ``(received rows, received splits as
+    an int32 tensor)``.
     """
     arr, _ = prepare(tensor, "alltoall input")
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().reshape(-1).tolist()
-    elif splits is None and isinstance(tensor, torch.Tensor) and tensor.dim():
-        splits = kit.even_splits(int(tensor.shape[0]), process_set.size())
     core = _rf.alltoall_async(arr, splits=splits, name=kit.op_name("alltoall", name),
                               process_set=process_set)
 

@@ -39,7 +39,8 @@ import torch
 
 from .. import _adapter as kit
 from ..errors import ShutdownError, TensorError
-from ..p2p import P2PHandle, start_recv, start_send
+from ..p2p import P2PHandle
+from ..submission import start_recv, start_send
 from ._tensors import SUPPORTED, from_numpy, prepare, to_numpy
 from .mpi_ops import TorchHandle
 

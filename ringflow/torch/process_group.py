@@ -1,5 +1,9 @@
 """torch.distributed's backend ``"ringflow"``: torch's own API on ringflow's engine.
 
+Over 600 lines on purpose: one method per entry point of torch's ``ProcessGroup`` (about
+twenty-five), each translating torch's arguments and outputs, beside the one table of torch's
+call -> ringflow's operation (DESIGN.md section 13) that they implement.
+
 ``import ringflow.torch`` registers it; then ``torch.distributed.init_process_group(
 backend="ringflow")`` (any init method: ``env://``, ``tcp://``, ``file://``, a ``store=``) makes
 the default group a :class:`ProcessGroupRingflow`, and ``all_reduce``, ``broadcast``,
@@ -74,9 +78,9 @@ from ..config import Config
 from ..errors import ConfigError, TensorError, UnsupportedError
 from ..negotiation import ONCE, Request
 from ..ops import ReduceOp
-from ..p2p import start_recv, start_send
 from ..process_sets import ProcessSet, add_process_set, global_process_set
 from ..rendezvous.torch_store import TorchStore, _master_of
+from ..submission import start_recv, start_send
 from ._tensors import from_numpy, prepare
 from ._work import Work, as_seconds
 

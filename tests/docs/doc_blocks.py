@@ -18,9 +18,15 @@ followed by options: ``needs=NAME,...`` (a Python module or a program on PATH; t
 skipped where one is missing, as the GPU and MPI tests are), ``timeout=SECONDS`` (default 120),
 ``expect=TEXT`` (the output must contain it), and for ``parse`` ``tested-by=PATH``: a test file
 that runs these very commands in full (every ``examples/`` file the block names must appear in
-it), for commands too slow to run twice. A block whose lines are all snippet includes
-(``--8<-- "examples/...``) shows a file as it is: it needs no comment, and its file must be one
-that a test outside tests/docs runs. A block with neither fails the tests.
+it), for commands too slow to run twice. Two more comments make a block a copy, kept verbatim so
+that the page reads the same on the code host as on the site (no include to resolve)::
+
+    <!-- file: PATH -->                 the block is the file PATH of the checkout, as it is; the
+                                        file must be one that a test outside tests/docs runs
+    <!-- generated: COMMAND -->         the block is what COMMAND prints (:data:`GENERATED`)
+
+A test fails when a copy differs from its source; ``python tests/docs/doc_blocks.py --sync``
+rewrites every copy. A block with none of these comments fails the tests.
 
 The README follows the same rule, but for its first block: the project's two commands (install
 and run an example; install and run the suite), which the tests check against ``.ci/run``.
@@ -47,7 +53,12 @@ OPTIONS = ("needs", "timeout", "expect", "tested-by", "from")
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _ANNOTATION = re.compile(r"^\s*<!--\s*run:\s*(?P<body>.*?)\s*-->\s*$")
-_SNIPPET = re.compile(r"""^-{1,}8<-{1,}\s+["'](?P<path>[^"':]+)(?::[^"']*)?["']\s*$""")
+_FILE = re.compile(r"^\s*<!--\s*file:\s*(?P<path>\S+)\s*-->\s*$")
+_GENERATED = re.compile(r"^\s*<!--\s*generated:\s*(?P<command>.+?)\s*-->\s*$")
+
+#: What a ``generated:`` block may show: the command as the page names it -> its argv (run from
+#: the checkout with COLUMNS=100).
+GENERATED = {"ringflow-run --help": ["-m", "ringflow.runner", "--help"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +68,9 @@ class Block:
     lang: str
     code: str
     annotation: str | None  # the text after "run:", None without a comment
-    snippets: tuple[str, ...]  # the included paths, when every line is an include
+    snippets: tuple[str, ...]  # the file the block copies (a "file:" comment), else ()
+    generated: str | None = None  # the command whose output the block copies
+    end: int = 0  # the line of the closing fence, 1-based
 
     @property
     def id(self) -> str:
@@ -105,10 +118,12 @@ def blocks(page: Path) -> Iterator[Block]:
         i += 1  # the closing fence
         previous = lines[start - 1] if start > 0 else ""
         note = _ANNOTATION.match(previous)
-        included = [_SNIPPET.match(b.strip()) for b in body if b.strip()]
-        snippets = tuple(s["path"] for s in included if s) if included and all(included) else ()
+        copied = _FILE.match(previous)
+        generated = _GENERATED.match(previous)
         yield Block(rel, start + 1, m["info"].strip().split(" ")[0].lstrip("{."), "\n".join(body)
-                    + "\n", note["body"] if note else None, snippets)
+                    + "\n", note["body"] if note else None,
+                    (copied["path"],) if copied else (),
+                    generated["command"] if generated else None, i)
 
 
 def all_blocks() -> list[Block]:
@@ -157,3 +172,45 @@ def commands(script: str) -> Iterator[list[str]]:
                 command = []
             else:
                 command.append(word)
+
+
+def source_of(block: Block) -> str | None:
+    """What a copy block must hold: its file's text, or its command's output (None for other
+    blocks)."""
+    if block.snippets:
+        return (ROOT / block.snippets[0]).read_text()
+    if block.generated is not None:
+        import os
+        import subprocess
+        import sys
+
+        argv = GENERATED[block.generated]
+        env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120, check=True).stdout
+        return out.rstrip("\n") + "\n"
+    return None
+
+
+def sync() -> list[str]:
+    """Rewrite every copy block from its source; the ids of those that changed."""
+    changed = []
+    for page in pages():
+        lines = page.read_text().splitlines(keepends=True)
+        for block in reversed(list(blocks(page))):
+            source = source_of(block)
+            if source is None or source == block.code:
+                continue
+            lines[block.line:block.end - 1] = source.splitlines(keepends=True)
+            changed.append(block.id)
+        page.write_text("".join(lines))
+    return changed
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--sync"]:
+        sys.exit("usage: python tests/docs/doc_blocks.py --sync")
+    print("\n".join(sync()) or "every copy is up to date")

@@ -75,7 +75,7 @@ def missing(needs: tuple[str, ...]) -> list[str]:
 def test_every_block_says_how_it_runs() -> None:
     problems = []
     for block in BLOCKS:
-        if block.snippets or block is README_COMMANDS:
+        if block.snippets or block.generated or block is README_COMMANDS:
             continue
         if block.annotation is None:
             problems.append(f"{block.id}: a ```{block.lang} block without a <!-- run: ... --> "
@@ -94,6 +94,31 @@ def test_every_block_says_how_it_runs() -> None:
             problems.append(f"{block.id}: run: output from={run.source}: no such file")
     assert not problems, "\n".join(problems)
     assert len(RUN) >= 10, "the pages lost their executed blocks"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.snippets or b.generated],
+                         ids=lambda b: b.id)
+def test_copies_are_current(block: Block) -> None:
+    """A page's copy of a file or of a command's output equals its source (so the page reads
+    the same on the code host as on the site); ``python tests/docs/doc_blocks.py --sync``."""
+    assert block.code == doc_blocks.source_of(block), (
+        f"{block.id} differs from {block.snippets or block.generated}: run "
+        "python tests/docs/doc_blocks.py --sync")
+
+
+def test_pages_read_as_plain_markdown() -> None:
+    """Nothing for the code host to show raw: no snippet include, no bare API directive, no
+    build-time insert (issue 29: 16 pages rendered empty or raw there)."""
+    raw = []
+    for page in doc_blocks.pages():
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if line.startswith(("--8<--", "<!-- insert:")):
+                raw.append(f"{page.name}:{n}")
+        text = page.read_text()
+        bare = [m.start() for m in re.finditer(r"^::: ", text, re.M)
+                if not text[:m.start()].rstrip().endswith("<!-- api")]
+        raw += [f"{page.name}: ::: at offset {b}" for b in bare]
+    assert not raw, raw
 
 
 def test_included_files_are_run_by_the_suite() -> None:

@@ -130,7 +130,9 @@ def main() -> None:
     path.with_suffix(".tmp").write_text(json.dumps(result))
     path.with_suffix(".tmp").replace(path)
     rf.shutdown()
-    failed = result.get("error") or result.get("errors")
+    # A fault that strikes only the last operation ("after") fails the rank too: exiting 0
+    # would leave the launcher waiting for a frozen rank forever (the test's 90 s hang).
+    failed = result.get("error") or result.get("errors") or result.get("after")
     sys.exit(3 if failed else 0)  # the launcher then ends the job (a frozen rank too)
 
 

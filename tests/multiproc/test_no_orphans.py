@@ -129,3 +129,67 @@ def test_exit_code_and_signal_of_the_worker_come_through_the_supervisor(tmp_path
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 130, proc.stderr  # an exit code above 128 is no signal here
     assert "rank 0 on host localhost exited with code 130" in proc.stderr
+
+
+# A rank under a shell, blocked: rank 1 in an allreduce that rank 0 never calls, rank 0 in a
+# sleep (after init(); before it with "import"); with "ignore", both ignore SIGTERM.
+BLOCKED = """
+    import os, signal, sys, time
+    import numpy as np
+    import ringflow
+    mode, r = {mode!r}, int(os.environ["RINGFLOW_RANK"])
+    if mode != "import":
+        ringflow.init()
+    if mode == "ignore":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    path = os.path.join({out!r}, "rank-" + str(r))
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    if r == 1 and mode != "import":
+        ringflow.allreduce(np.ones(3), name="never")
+    time.sleep(300)
+"""
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize(("mode", "within"), [("collective", 8.0), ("import", 8.0),
+                                              ("ignore", 15.0)])
+def test_a_rank_whose_launcher_supervisor_and_shell_are_killed_leaves(tmp_path, mode, within):
+    # PR_SET_PDEATHSIG reaches the shell only: the ranks used to live on, blocked for good.
+    # They watch their supervisor (ringflow.lifeline): SIGTERM at once, exit 5 s later at most.
+    worker = tmp_path / "blocked.py"
+    worker.write_text(textwrap.dedent(BLOCKED.format(mode=mode, out=str(tmp_path))))
+    launcher = subprocess.Popen([*LAUNCHER, "-np", "2", "sh", "-c",
+                                 f"{sys.executable} {worker}; true"], env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    files = [tmp_path / f"rank-{r}" for r in range(2)]
+    ranks: list[int] = []
+    try:
+        wait_for(lambda: all(f.exists() for f in files), 60, "the ranks did not start")
+        ranks = [int(f.read_text()) for f in files]
+        time.sleep(0.5)  # rank 1 is in its allreduce
+        supervisors = children(launcher.pid)
+        shells = [pid for s in supervisors for pid in children(s)]
+        assert len(supervisors) == 2 and len(shells) == 2 and not set(shells) & set(ranks), \
+            (supervisors, shells, ranks)
+        for pid in [launcher.pid, *supervisors, *shells]:
+            os.kill(pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        wait_for(lambda: not any(alive(pid) for pid in ranks), within,
+                 f"ranks alive {within} s after their launcher, supervisors and shells were "
+                 f"killed: {[pid for pid in ranks if alive(pid)]}")
+    finally:
+        launcher.kill()
+        kill_all(ranks)

@@ -60,6 +60,11 @@ def test_autograd_optimizer_broadcast_syncbn_sampler(np: int) -> None:
     assert_passed(run(WORKERS / "autograd_and_training.py", np), np)
 
 
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_join_every_rank_first_with_cached_new_and_unnamed_names(np: int) -> None:
+    assert_passed(run(WORKERS / "join.py", np), np)
+
+
 def test_local_error_fails_every_rank_without_hang(tmp_path: Path) -> None:
     """A tensor only one rank cannot send (here: a complex dtype, then a non-tensor) fails the
     operation on every rank with the same text, and the job goes on."""

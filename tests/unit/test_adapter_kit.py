@@ -34,13 +34,6 @@ def test_names() -> None:
     assert kit.grad_name(None) is None
 
 
-@pytest.mark.parametrize(("rows", "parts", "want"), [
-    (7, 3, [3, 2, 2]), (2, 3, [1, 1, 0]), (0, 2, [0, 0]), (6, 1, [6]),
-])
-def test_even_splits(rows: int, parts: int, want: list[int]) -> None:
-    assert kit.even_splits(rows, parts) == want
-
-
 def test_compressed_hands_core_compressors_to_the_engine_and_wraps_others() -> None:
     seen = []
 

@@ -134,14 +134,15 @@ def test_a_group_waits_for_all_its_names_and_fuses() -> None:
     assert item.names == ("g.0", "g.1", "g.2")
 
 
-def test_joined_ranks_count_as_ready_for_allreduce_and_allgather() -> None:
+def test_joined_ranks_count_as_ready_for_allreduce_and_fail_allgather() -> None:
     c = coordinator()
     c.submit(2, [Request("join", "join")], [])
     c.submit(0, [ar("x"), Request("g", "allgather", "int8", (2, 3))], [])
     c.submit(1, [ar("x"), Request("g", "allgather", "int8", (1, 3))], [])
     items = {item.names: item for item in c.plan()}
-    assert items[("x",)].joined == (2,)
-    assert items[("g",)].first_dims == ((2, 1, 0),)
+    assert items[("x",)].joined == (2,) and not items[("x",)].error
+    assert items[("g",)].error_type == "TensorError"  # Horovod's rule
+    assert items[("g",)].error.startswith("Allgather is not supported with Join at this time")
 
 
 def record(cache: ResponseCache, items: list) -> None:

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from ringflow.runner.hosts import assign_ranks, parse_hosts
-from ringflow.runner.launch import TORCHRUN_ENV, reserve_port, worker_environ
+from ringflow.runner.launch import HOROVOD_ENV, TORCHRUN_ENV, reserve_port, worker_environ
 from ringflow.runner.ssh import SshOptions, remote_environ, ssh_argv
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,6 +32,9 @@ def test_every_worker_gets_torchruns_variables():
         assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("a", "29500")
         assert env["RINGFLOW_RANK"] == env["RANK"]  # ringflow's own contract is unchanged
         assert set(TORCHRUN_ENV) <= set(env)
+        # horovodrun's, which scripts (and Horovod's own tests) read
+        assert [env[f"HOROVOD_{k}"] for k in ("RANK", "SIZE", "LOCAL_RANK", "CROSS_RANK")] == [
+            env["RINGFLOW_RANK"], "3", env["LOCAL_RANK"], env["GROUP_RANK"]]
 
 
 def test_a_stale_master_of_the_launchers_environment_is_dropped():
@@ -45,7 +48,7 @@ def test_remote_workers_get_torchruns_variables_and_x_assignments():
     specs = assign_ranks(parse_hosts("a:1,b:1"), 2)
     env = {**environ(specs[1], master_addr="a", master_port=7), "FOO": "x y", "SECRET": "no"}
     forwarded = remote_environ(env, ["FOO"])
-    for name in TORCHRUN_ENV:
+    for name in (*TORCHRUN_ENV, *HOROVOD_ENV):
         assert forwarded[name] == env[name]
     assert forwarded["FOO"] == "x y" and "SECRET" not in forwarded
     argv = ssh_argv("b", ["python", "t.py"], env, SshOptions(export=("FOO",), python="/py"))

@@ -225,6 +225,20 @@ check(adam.param_groups[0]["lr"] == 0.001 and adam.param_groups[0]["betas"] == (
 check(len(adam.state) == len(before), "empty state initialized")
 for p, b in zip(net.parameters(), before, strict=False):
     close(p.detach(), b, "init step leaves parameters alone")
+check(all(p.grad is not None and not p.grad.any() for p in net.parameters()),
+      "the init step leaves zero gradients where there were none (Horovod's)")
+# Horovod's test_broadcast_state_no_grad: a frozen parameter keeps no gradient; the others'
+# zero gradients can be broadcast; a gradient that existed is kept.
+frozen = nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+free = nn.Parameter(torch.rand(4))
+had = nn.Parameter(torch.rand(2))
+had.grad = torch.full((2,), float(r + 1))
+nesterov = torch.optim.SGD([frozen, free, had], lr=0.001, weight_decay=1e-6, momentum=0.9,
+                           nesterov=True)
+hvd.broadcast_optimizer_state(nesterov, root_rank=0)
+check(frozen.grad is None, "a frozen parameter gets no gradient")
+close(hvd.broadcast(free.grad, root_rank=0), torch.zeros(4), "the zero gradient broadcasts")
+close(had.grad, torch.full((2,), float(r + 1)), "a gradient that existed is kept")
 sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
 for p in net.parameters():
     p.grad = torch.full_like(p, float(r + 1))

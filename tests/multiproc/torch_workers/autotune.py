@@ -38,6 +38,6 @@ assert len(set(finals)) == 1, finals
 assert {p.chunk_bytes for p in seen} >= {0, 256 * 1024, 4 << 20}, seen
 assert {p.wire_compression for p in seen} == {"none", "fp16"}, seen
 if hvd.rank() == 0:
-    assert runtime.running()._tuner is None, "the tuner has not finished"
+    assert runtime.running().seat.tuner is None, "the tuner has not finished"
 print(f"PASS rank {hvd.rank()}: {len(seen)} settings ran, final {finals[0]}", flush=True)
 hvd.shutdown()

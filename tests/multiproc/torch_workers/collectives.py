@@ -200,6 +200,24 @@ try:
     check(False, "complex dtype on rank 0 must fail everywhere")
 except RingflowError as e:
     check("complex64" in str(e) and "supported" in str(e), f"dtype message: {e}")
+# Horovod's rules, checked on every rank with one text (a TensorError is a ValueError): a 0-dim
+# tensor cannot be reduce-scattered, alone or in a group; alltoall without splits needs a first
+# dimension that is a multiple of the set's size.
+fails = [("reducescatter", lambda: hvd.reducescatter(torch.tensor(float(r)), name="rs0"),
+          "reducescatter of 'reducescatter.rs0' splits the first dimension"),
+         ("grouped", lambda: hvd.grouped_reducescatter([torch.zeros(3, 1), torch.tensor(1.0)],
+                                                       name="grs0"),
+          "reducescatter of 'grouped_reducescatter.grs0.1' splits the first dimension")]
+if n > 1:
+    fails.append(("alltoall", lambda: hvd.alltoall(torch.empty(n + 1), name="a2a.len"),
+                  f"alltoall of 'alltoall.a2a.len': splits not provided, but the first "
+                  f"dimension of the tensor ({n + 1}) is not an even multiple"))
+for what, call, fragment in fails:
+    try:
+        call()
+        check(False, f"{what} must fail")
+    except ValueError as e:
+        check(isinstance(e, RingflowError) and fragment in str(e), f"{what} message: {e}")
 mis = torch.zeros(3 + r)
 try:
     hvd.allreduce(mis, name="bad.shape")
