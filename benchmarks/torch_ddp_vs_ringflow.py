@@ -13,6 +13,8 @@ builds the models; ``mlp``: 25.2 M parameters, ~100 MB of float32 gradients per 
   ``torchrun --standalone --nproc-per-node 2`` (this file is the worker);
 - ``ddp-ringflow``: the same DDP worker with ``backend="ringflow"`` (torch.distributed's API on
   ringflow's engine, :mod:`ringflow.torch.process_group`), the only change;
+- ``independent`` (``--peers ... independent``): two single processes at once, no exchange: the
+  most 2 ranks can do on this host, so ``independent / ddp`` bounds any ratio to DDP;
 - ``single`` (``--single``): one process, no exchange, the baseline of the efficiency column.
 
 Threads (``--threads``): ``script`` (default) calls ``torch.set_num_threads(1)`` in every script and
@@ -57,7 +59,7 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "TF_NUM_INTRAOP_THREADS",
                "TF_NUM_INTEROP_THREADS")
 HOROVOD_IMPORT = "import horovod.torch as hvd"
-PEERS = ("ringflow", "ddp", "ddp-ringflow")
+PEERS = ("ringflow", "ddp", "ddp-ringflow", "independent")
 
 
 def _env(threads: str, extra_path: list[Path] = ()) -> dict[str, str]:
@@ -98,10 +100,22 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> str:
     return proc.stdout
 
 
-def run_single(args: argparse.Namespace, model: str) -> float:
+def run_single(args: argparse.Namespace, model: str, copies: int = 1) -> float:
+    """``copies`` single processes at once (no exchange); their total samples/s."""
     cmd = [sys.executable, str(EXAMPLE), "--model", model, *_loop_args(args), "--json",
            "--num-threads", "1" if args.threads == "script" else "0"]
-    return float(_summary(_run(cmd, _env(args.threads), args.timeout, "single"))["total"])
+    env = _env(args.threads)
+    if args.threads == "launcher":
+        env["OMP_NUM_THREADS"] = "1"  # what either launcher gives each of its 2 processes
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT) for _ in range(copies)]
+    total = 0.0
+    for p in procs:
+        out, err = p.communicate(timeout=args.timeout)
+        if p.returncode:
+            raise RuntimeError(f"single-process benchmark failed:\n{err[-3000:]}")
+        total += float(_summary(out)["total"])
+    return total
 
 
 def run_ringflow(args: argparse.Namespace, model: str) -> float:
@@ -212,8 +226,8 @@ def compare(args: argparse.Namespace, label: str, runners: dict[str, Any],
                 continue
             per = [o / g for o, g in zip(rounds[peer], rounds["ddp"], strict=True)]
             ratios[peer] = per
-            name = {"ringflow": "ringflow / DDP",
-                    "ddp-ringflow": "DDP(ringflow) / DDP(gloo)"}.get(peer, f"{peer} / DDP")
+            name = {"ringflow": "ringflow / DDP", "ddp-ringflow": "DDP(ringflow) / DDP(gloo)",
+                    "independent": "no exchange / DDP (the ceiling)"}.get(peer, f"{peer} / DDP")
             print(f"{name}: {statistics.median(per):.2f}x (median of {args.rounds} rounds; "
                   f"per round {', '.join(f'{r:.2f}' for r in per)})", flush=True)
     return {"label": label, "rounds": rounds, "medians": medians, "ratios": ratios,
@@ -231,7 +245,7 @@ def main() -> None:
     parser.add_argument("--threads", choices=("script", "launcher"), default="script",
                         help="script: set_num_threads(1) in the scripts and OMP_NUM_THREADS=1; "
                         "launcher: nothing set, each launcher's defaults")
-    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
+    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS[:3]))
     parser.add_argument("--single", action="store_true",
                         help="also measure one process without exchange (efficiency column)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -272,6 +286,8 @@ def main() -> None:
             for peer in args.peers:
                 if peer == "ringflow":
                     runners[peer] = lambda m=model: run_ringflow(args, m)
+                elif peer == "independent":
+                    runners[peer] = lambda m=model: run_single(args, m, copies=2)
                 else:
                     backend = "ringflow" if peer == "ddp-ringflow" else "gloo"
                     runners[peer] = lambda m=model, b=backend: run_ddp(args, m, b)
