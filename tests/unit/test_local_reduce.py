@@ -129,3 +129,21 @@ def test_the_rings_16_bit_combine_keeps_numpys_bits(dtype) -> None:
     red.finish(acc, got, scratch)
     want = (np.add(acc0, got, dtype=np.float32) * np.float32(red.factor)).astype(dtype)
     assert acc.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
+def test_the_rings_16_bit_prescale_keeps_numpys_bits(dtype) -> None:
+    pytest.importorskip("torch")
+    from ringflow.algorithms.reduction import Reduction
+
+    rng = np.random.default_rng(4)
+    n = 3 * 4096 + 17
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)  # every kind of value, subnormals too
+    flat = bits.view(np.float16).astype(dtype) if dtype == np.float16 else bits.view(BFLOAT16)
+    red = Reduction(np.dtype(dtype), ReduceOp.SUM, 1.0, 3, "t")
+    red.prescale = 1 / 3  # not exact in 16 bits: numpy rounds the factor first
+    want = flat.copy()
+    np.multiply(want, red.prescale, out=want)
+    got = flat.copy()
+    red.prescale_inplace(got)
+    assert got.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
