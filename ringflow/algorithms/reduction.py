@@ -76,7 +76,8 @@ class Reduction:
         # chunk by a kernel, multiply in float32, narrow once -- the bits of numpy's loop, which
         # computes in float32 too (float16 rounds the factor to float16 first; ml_dtypes'
         # bfloat16 keeps it in float32).
-        factor = np.float32(np.float16(self.prescale) if flat.dtype == np.float16 else self.prescale)
+        p = self.prescale
+        factor = np.float32(np.float16(p) if flat.dtype == np.float16 else p)
         per = casts.CHUNK
         tmp = np.empty(min(per, flat.size), np.float32)
         for lo, hi in chunk_ranges(0, flat.size, per):
