@@ -8,15 +8,20 @@ as it becomes ready (:meth:`~GradientBatcher.ready`), or of all of them
 - **Explicit groups** (Horovod's ``groups``: lists of parameters, or an int = that many
   consecutive runs of the rank-independent order, :func:`split_groups`): a group is one batch,
   submitted as one grouped operation once all of its members are ready.
-- **Everything else** is batched by size. A gradient of at least ``small_bytes`` (or of unknown
-  size, or sparse) is a batch of its own at once, so that a large gradient's exchange overlaps
-  the rest of backward. A smaller one waits in a bucket, which becomes a batch when it holds
-  ``bucket_bytes`` or when the pass ends (:meth:`GradientBatcher.flush`). On a model of many small
-  tensors this turns one collective per tensor into one per bucket (DDP's buckets do the same);
-  the engine fuses whatever is submitted together anyway. Gradients that are all ready at once
-  have no backward pass left to overlap: they are one batch.
+- **Everything else** goes in buckets, in the order the gradients become ready (the reverse of the
+  forward pass for torch's hooks, as DDP's buckets): a gradient joins the open bucket, and the
+  bucket becomes a batch as soon as it holds its cap of bytes -- the first bucket of a pass
+  :data:`FIRST_BUCKET_BYTES` (1 MiB, DDP's first bucket), every later one
+  :attr:`BucketPolicy.bucket_bytes` (``RINGFLOW_BUCKET_BYTES``, or the autotuner's choice) -- or
+  when the pass ends (:meth:`GradientBatcher.flush`). A small first bucket starts the exchange
+  early, while most of backward is still ahead, so that it overlaps the rest of the pass; a gradient
+  of unknown size (sparse) is a batch of its own at once. ``bucket_bytes=0`` holds everything until
+  the pass ends: the non-overlapped path. Batching never changes a result where the reduction adds
+  in an order that fusion does not decide (shared memory, 2 ranks, fusion off: DESIGN.md section 4),
+  tested bit for bit in tests/multiproc/test_overlap.py. Gradients that are all ready at once (a
+  tape) have no backward pass left to overlap: they are one batch.
 
-Horovod reduces the parameters that no explicit group names one by one; here they follow the size
+Horovod reduces the parameters that no explicit group names one by one; here they follow the bucket
 rule (the results are the same: batching decides only which tensors are negotiated together).
 Batches of the bucket are marked ``grouped=False``: their members may be submitted one by one,
 because which gradients share a bucket depends on the order they became ready in, which ranks do
@@ -25,16 +30,38 @@ not have to agree on; an explicit group is the same on every rank, so it can be 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
-__all__ = ["BUCKET_BYTES", "SMALL_GRADIENT_BYTES", "Batch", "GradientBatcher", "split_groups"]
+__all__ = ["AT_END", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Batch", "BucketPolicy",
+           "GradientBatcher", "split_groups"]
 
-# On the 0.4 M-parameter CNN of benchmarks/torch_ddp_vs_ringflow.py (10 tensors, all < 1 MiB) the
-# bucket turned ~7 collectives per step into 1; on the 25 M-parameter MLP its 16 MiB and 4 MiB
-# weight gradients still start at once, overlapping the rest of backward.
-SMALL_GRADIENT_BYTES = 1 << 20
+#: The first bucket of a pass: DDP's (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``). On the
+#: 0.4 M-parameter CNN of benchmarks/torch_ddp_vs_ringflow.py it holds the two linear layers
+#: (1.0 MiB of its 1.4 MiB), which are ready first and go while the convolutions' backward runs.
+FIRST_BUCKET_BYTES = 1 << 20
+#: Every later bucket (``RINGFLOW_BUCKET_BYTES``'s default). Buckets turn many small tensors into
+#: few collectives (the CNN's 10 tensors: 2 batches a step), and large enough ones start at once.
 BUCKET_BYTES = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPolicy:
+    """How the ungrouped gradients of a pass are cut into batches: the first bucket closes at
+    ``min(first_bytes, bucket_bytes)``, later ones at ``bucket_bytes``; ``bucket_bytes=0``: one
+    bucket submitted when the pass ends (no overlap with backward)."""
+
+    bucket_bytes: int = BUCKET_BYTES
+    first_bytes: int = FIRST_BUCKET_BYTES
+
+    def cap(self, first: bool) -> int:
+        """Bytes at which the open bucket becomes a batch (0: never during the pass)."""
+        return min(self.first_bytes, self.bucket_bytes) if first else self.bucket_bytes
+
+
+#: Everything at the end of the pass: the non-overlapped path.
+AT_END = BucketPolicy(0)
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -68,11 +95,10 @@ class GradientBatcher(Generic[K]):
     to its first group).
     """
 
-    def __init__(self, order: Sequence[K], groups: int | Iterable[Iterable[K]] | None = None, *,
-                 small_bytes: int = SMALL_GRADIENT_BYTES,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.small_bytes = small_bytes
-        self.bucket_bytes = bucket_bytes
+    def __init__(self, order: Sequence[K], groups: int | Iterable[Iterable[K]] | None = None,
+                 policy: BucketPolicy = BucketPolicy()) -> None:
+        #: Read at each gradient: an adapter may change it between passes (the autotuner).
+        self.policy = policy
         self.groups: list[tuple[K, ...]] = []
         if isinstance(groups, int):
             self.groups = [tuple(run) for run in split_groups(order, groups)]
@@ -87,6 +113,7 @@ class GradientBatcher(Generic[K]):
         self._ready: dict[tuple[K, ...], int] = dict.fromkeys(self.groups, 0)
         self._bucket: list[K] = []
         self._bucket_nbytes = 0
+        self._first = True  # the open bucket is the pass's first
 
     def ready(self, key: K, nbytes: int | None) -> list[Batch[K]]:
         """``key``'s gradient (``nbytes`` long; None: unknown or sparse) is ready."""
@@ -97,11 +124,15 @@ class GradientBatcher(Generic[K]):
                 return []
             self._ready[group] = 0
             return [Batch(group, True)]
-        if nbytes is None or nbytes >= self.small_bytes:
+        cap = self.policy.cap(self._first)
+        if nbytes is None and cap:
             return [Batch((key,), False)]
         self._bucket.append(key)
-        self._bucket_nbytes += nbytes
-        return self.flush() if self._bucket_nbytes >= self.bucket_bytes else []
+        self._bucket_nbytes += nbytes or 0
+        if not cap or self._bucket_nbytes < cap:
+            return []
+        self._first = False
+        return self._take()
 
     def all_ready(self, keys: Iterable[K]) -> list[Batch[K]]:
         """Every gradient of ``keys`` is ready at once (a tape): the explicit groups, then all the
@@ -117,7 +148,12 @@ class GradientBatcher(Generic[K]):
         return bool(self._bucket)
 
     def flush(self) -> list[Batch[K]]:
-        """The pass has ended: the bucket, if it holds anything, as one batch."""
+        """The pass has ended: the bucket, if it holds anything, as one batch; the next pass
+        starts with a first bucket again."""
+        self._first = True
+        return self._take()
+
+    def _take(self) -> list[Batch[K]]:
         if not self._bucket:
             return []
         keys, self._bucket, self._bucket_nbytes = tuple(self._bucket), [], 0
@@ -127,4 +163,4 @@ class GradientBatcher(Generic[K]):
         """A new step: forget partly ready groups and the bucket (their gradients were sent by the
         caller some other way)."""
         self._ready = dict.fromkeys(self.groups, 0)
-        self._bucket, self._bucket_nbytes = [], 0
+        self._bucket, self._bucket_nbytes, self._first = [], 0, True

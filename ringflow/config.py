@@ -24,11 +24,14 @@ Horovod's tuning variables are read too (:func:`read_horovod_env`), under any la
 
 Each one read logs a warning that names the mapping (``HOROVOD_CYCLE_TIME=5 read as
 RINGFLOW_CYCLE_TIME_MS=5.0``). A ``RINGFLOW_*`` variable that is set wins, and the Horovod one is
-then ignored (logged at INFO). ``HOROVOD_HIERARCHICAL_ALLREDUCE``, ``_HIERARCHICAL_ALLGATHER``,
-``_AUTOTUNE`` and ``_TIMELINE_MARK_CYCLES`` have no ringflow meaning: turned on, they log a warning
-that says why. A worker of ``ringflow-run`` (``RINGFLOW_LAUNCHER_PID`` set) logs these notes at
-INFO only: the launcher has already written them once, and it passes what it read on as
-``RINGFLOW_*`` variables.
+then ignored (logged at INFO). ``HOROVOD_AUTOTUNE`` (> 0), ``HOROVOD_AUTOTUNE_LOG``,
+``_AUTOTUNE_WARMUP_SAMPLES`` and ``_AUTOTUNE_STEPS_PER_SAMPLE`` are read as ``RINGFLOW_AUTOTUNE``,
+``_AUTOTUNE_LOG_FILE``, ``_AUTOTUNE_WARMUP_SAMPLES`` and ``_AUTOTUNE_STEPS_PER_SAMPLE``
+(:mod:`ringflow.autotune`). ``HOROVOD_HIERARCHICAL_ALLREDUCE``, ``_HIERARCHICAL_ALLGATHER``,
+``_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`` and ``_TIMELINE_MARK_CYCLES`` have no ringflow meaning: turned
+on, they log a warning that says why. A worker of ``ringflow-run`` (``RINGFLOW_LAUNCHER_PID`` set)
+logs these notes at INFO only: the launcher has already written them once, and it passes what it
+read on as ``RINGFLOW_*`` variables.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ ENV_CONTRACT = (
 )
 
 _MIB = 1024 * 1024
+_WIRE = ("none", "fp16", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +109,32 @@ class Config:
     #: rank on one host, shared memory) waits for the other ranks to post it before it goes to
     #: the coordinator as any operation does; 0 turns the lane off.
     lane_wait_us: int = 500
+    #: The gradient buckets of the optimizers (:mod:`ringflow.batching`): gradients are submitted
+    #: in the order they become ready, in buckets closed at this many bytes (the first bucket of
+    #: a backward pass at 1 MiB), so that the exchange overlaps the rest of the pass; 0 submits
+    #: everything when the pass ends. The autotuner may change it.
+    bucket_bytes: int = 4 * _MIB
+    #: Largest message of a pipelined collective (the ring, broadcast; :mod:`ringflow.algorithms.
+    #: buffers`); 0: the built-in 1 MiB. The autotuner may change it (every rank at the same
+    #: plan item).
+    chunk_bytes: int = 0
+    #: ``fp16`` / ``bf16``: float32 allreduces larger than 64 KiB travel in 16 bits whatever
+    #: compression their call asked for (changes results: what ``--autotune-compression`` lets
+    #: the autotuner choose, pinned); ``none``: as each call asks.
+    wire_compression: str = "none"
+    #: Tune fusion_threshold_bytes, cycle_time_ms, bucket_bytes, chunk_bytes (and
+    #: wire_compression where autotune_compression allows) online from the measured step rate
+    #: (:mod:`ringflow.autotune`); a knob set in the environment stays as set.
+    autotune: bool = False
+    #: Rank 0 writes each sample of the autotuner here (CSV, :mod:`ringflow.autotune`).
+    autotune_log_file: str = ""
+    #: The 16-bit wire format the autotuner may try (``fp16``, ``bf16``); ``none``: it never
+    #: compresses (compression changes results, so only the user can allow it).
+    autotune_compression: str = "none"
+    #: Samples the autotuner ignores at the start (the first steps are slow).
+    autotune_warmup_samples: int = 2
+    #: Steps per sample of the autotuner (the first step after a change is not counted).
+    autotune_steps_per_sample: int = 4
     #: Faults to inject, for tests (``ringflow.fault``: rank, protocol point, action); empty:
     #: none, and no cost.
     fault: str = ""
@@ -121,6 +151,12 @@ class Config:
             "log_level": self.log_level.lower() in ("debug", "info", "warning", "error"),
             "bind_to": self.bind_to in ("none", "core", "auto"),
             "lane_wait_us": self.lane_wait_us >= 0,
+            "bucket_bytes": self.bucket_bytes >= 0,
+            "chunk_bytes": self.chunk_bytes == 0 or self.chunk_bytes >= 4096,
+            "wire_compression": self.wire_compression in _WIRE,
+            "autotune_compression": self.autotune_compression in _WIRE,
+            "autotune_warmup_samples": self.autotune_warmup_samples >= 0,
+            "autotune_steps_per_sample": self.autotune_steps_per_sample >= 2,
         }
         for name, ok in checks.items():
             if not ok:
@@ -178,6 +214,10 @@ class _OutOfRange(ConfigError):
         self.field = field
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
+
+
 def _parse(field: str, raw: str) -> object:
     """``raw`` as the type of Config field ``field``.
 
@@ -185,6 +225,12 @@ def _parse(field: str, raw: str) -> object:
         ConfigError: ``raw`` is not a number where the field is one.
     """
     kind = type(_DEFAULTS[field])
+    if kind is bool:
+        text = raw.strip().lower()
+        if text not in _BOOLS:
+            raise ConfigError(f"{_env_name(field)}={raw!r} is not one of "
+                              f"{', '.join(sorted(_BOOLS))}")
+        return _BOOLS[text]
     try:
         return kind(float(raw)) if kind is int else kind(raw)
     except ValueError as exc:
@@ -212,6 +258,11 @@ def _horovod_flag(raw: str) -> bool:
         return False
 
 
+def _horovod_on(raw: str) -> str | bool:
+    """A Horovod switch that turns a ringflow one on: ``"1"``, or False when off."""
+    return "1" if _horovod_flag(raw) else False
+
+
 def _horovod_level(raw: str) -> str:
     level = raw.strip().lower()
     if level not in HOROVOD_LOG_LEVELS:
@@ -237,6 +288,12 @@ _HOROVOD: dict[str, tuple[str, tuple[str, ...], Callable[[str], object]]] = {
                           ("RINGFLOW_LOG_LEVEL",), _horovod_level),
     "HOROVOD_GLOO_TIMEOUT_SECONDS": ("an integer number of seconds", ("RINGFLOW_TIMEOUT_S",),
                                      _horovod_int),
+    "HOROVOD_AUTOTUNE": ("0 or 1", ("RINGFLOW_AUTOTUNE",), _horovod_on),
+    "HOROVOD_AUTOTUNE_LOG": ("a file path", ("RINGFLOW_AUTOTUNE_LOG_FILE",), str),
+    "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": ("an integer", ("RINGFLOW_AUTOTUNE_WARMUP_SAMPLES",),
+                                        _horovod_int),
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": ("an integer", ("RINGFLOW_AUTOTUNE_STEPS_PER_SAMPLE",),
+                                          _horovod_int),
 }
 
 #: Horovod variables without a ringflow meaning -> why, said when they are turned on (> 0).
@@ -246,9 +303,9 @@ _HOROVOD_UNUSED = {
         "a ring across hosts) whenever every host runs the same number of ranks"),
     "HOROVOD_HIERARCHICAL_ALLGATHER": (
         "ringflow's allgather is a ring over all ranks; there is no hierarchical variant"),
-    "HOROVOD_AUTOTUNE": (
-        "ringflow has no autotuner; set RINGFLOW_FUSION_THRESHOLD_BYTES and "
-        "RINGFLOW_CYCLE_TIME_MS yourself"),
+    "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": (
+        "ringflow's autotuner is a coordinate search, not Bayesian optimisation "
+        "(RINGFLOW_AUTOTUNE_STEPS_PER_SAMPLE sets its sample length)"),
     "HOROVOD_TIMELINE_MARK_CYCLES": (
         "ringflow has no cycles to mark (negotiation is event-driven); the timeline is "
         "written without them"),

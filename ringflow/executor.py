@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import algorithms, devices
-from .algorithms import device
+from .algorithms import buffers, device
 from .backends import Backends
 from .collectives import COLLECTIVES
 from .devices import ArrayNamespace, casts
@@ -83,6 +83,12 @@ class Executor:
     def run(self, item: Response, entries: list[Entry | None]) -> list[Any]:
         """Execute one data-plane plan item; the outputs, one per entry (None for a joined
         rank's)."""
+        if item.chunk:
+            with buffers.chunk_size(item.chunk):
+                return self._run(item, entries)
+        return self._run(item, entries)
+
+    def _run(self, item: Response, entries: list[Entry | None]) -> list[Any]:
         ref = item.requests[0]
         if ref.device == "cpu":
             return _RUN[item.kind](self, self.link(item.process_set), item, entries)

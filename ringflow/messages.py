@@ -7,8 +7,9 @@ any frame is read; :func:`decode` accepts only the classes below. Rank 0 is the 
 
     worker -> rank 0 : Submit(requests, bits, data)   what became pending: new requests in full,
                                                       cached ones as bits, small tensors with them
-    rank 0 -> all    : Plan(items)                    ready items in execution order, the same
-                                                      for every rank (negotiation.py)
+    rank 0 -> all    : Plan(items, params)            ready items in execution order, the same
+                                                      for every rank (negotiation.py); params:
+                                                      the autotuner's new values, or None
     worker -> rank 0 : Abort(error, text)             this rank found a fatal condition (a peer
                                                       died or froze, a data-plane error)
     rank 0 -> all    : Fatal(error, text)             the job's one verdict: every rank fails
@@ -76,6 +77,7 @@ class Submit:
 class Plan:
     items: list[Response | CachedAllreduce]
     seq: int  # its place in the coordinator stream (see the module docstring)
+    params: Any = None  # autotune.Params: the autotuner's new values, in force from this plan
 
 
 @dataclasses.dataclass(frozen=True)

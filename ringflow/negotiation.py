@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from .algorithms.local import reduce_parts
-from .collectives import COLLECTIVES, EAGER_BYTES, collective
+from .collectives import COLLECTIVES, EAGER_BYTES, Kind, collective
 from .ops import ReduceOp
-from .requests import CachedAllreduce, Key, Request, Response
+from .requests import CachedAllreduce, Key, Request, Response, wire_dtype
 
 __all__ = ["CachedAllreduce", "Coordinator", "Request", "Response", "ResponseCache"]
 
@@ -114,6 +114,10 @@ class Coordinator:
         self.size = size
         self.members = members
         self.fusion_threshold = fusion_threshold_bytes
+        #: What plan items carry (:class:`Response`'s ``wire`` and ``chunk``): set by the engine
+        #: from ``RINGFLOW_WIRE_COMPRESSION`` / ``_CHUNK_BYTES`` or the autotuner.
+        self.wire = ""
+        self.chunk = 0
         self.cache = cache
         self.table: dict[Key, dict[int, Request]] = {}
         self.via_bits: dict[Key, set[int]] = {}
@@ -264,17 +268,20 @@ class Coordinator:
             cached = self.via_bits.pop(key, set()) >= set(slot) and bool(slot)
             item = self._respond(key, slot, cached)
             if item.error or not collective(item.kind).fusable:
-                items.append(item)
+                items.append(dataclasses.replace(item, chunk=self.chunk)
+                             if self.chunk and not item.error else item)
                 continue
             ref = item.requests[0]
             cached_allreduce = cached and item.kind == "allreduce"
             eager = (cached_allreduce and not item.joined and payload is not None
                      and len(payload) == len(slot) and ref.reduce_op != ReduceOp.ADASUM)
-            fkey = (item.kind, key[0], ref.wire_dtype, ref.reduce_op, ref.prescale,
-                    ref.postscale, ref.device, item.joined, cached_allreduce, eager)
+            wire = self._wire_for(item, eager)
+            fkey = (item.kind, key[0], wire_dtype(wire, ref.dtype) if wire else ref.wire_dtype,
+                    ref.reduce_op, ref.prescale, ref.postscale, ref.device, item.joined,
+                    cached_allreduce, eager, wire)
             fusable.setdefault(fkey, []).append((item, payload if eager else None))
         for fkey, members in fusable.items():
-            items.extend(self._fuse(fkey[0], fkey[-2], members))
+            items.extend(self._fuse(fkey[0], fkey[-3], members, fkey[-1]))
         if self._all_joined():
             items.append(Response("join", 0, (), value=self.joined[-1]))
             self.joined = []
@@ -282,6 +289,15 @@ class Coordinator:
             self.stats["plans"] += 1
             self.last_change = time.monotonic()
         return items
+
+    def _wire_for(self, item: Response, eager: bool) -> str:
+        """The wire compression the coordinator gives ``item`` ("" for its requests' own)."""
+        ref = item.requests[0]
+        if (not self.wire or eager or item.kind != Kind.ALLREDUCE or ref.compression != "none"
+                or ref.dtype != "float32" or ref.device != "cpu" or ref.nbytes <= EAGER_BYTES
+                or ref.reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE)):
+            return ""
+        return self.wire
 
     def _group_of(self, key: Key) -> str:
         return next(iter(self.table[key].values())).group
@@ -367,7 +383,7 @@ class Coordinator:
 
     def _fuse(
         self, kind: str, cached: bool,
-        items: list[tuple[Response, dict[int, np.ndarray] | None]],
+        items: list[tuple[Response, dict[int, np.ndarray] | None]], wire: str = "",
     ) -> list[Response | CachedAllreduce]:
         out: list[Response | CachedAllreduce] = []
         batch: list[Response] = []
@@ -384,12 +400,13 @@ class Coordinator:
             if cached:
                 bits = tuple(self.cache.bit_of[b.requests[0].key] for b in batch)
                 out.append(CachedAllreduce(bits, _reduce(batch[0].requests[0], data)
-                                           if eager else None))
+                                           if eager else None, wire, self.chunk))
             else:
                 out.append(dataclasses.replace(
                     batch[0],
                     requests=tuple(b.requests[0] for b in batch),
                     first_dims=tuple(d for b in batch for d in b.first_dims),
+                    wire=wire, chunk=self.chunk,
                 ))
             batch.clear()
             data.clear()

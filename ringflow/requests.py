@@ -14,13 +14,14 @@ from .collectives import Kind
 from .compression import Compression
 from .ops import DTYPES
 
-__all__ = ["CachedAllreduce", "Key", "Request", "Response"]
+__all__ = ["CachedAllreduce", "Key", "Request", "Response", "on_the_wire", "wire_dtype"]
 
 Key = tuple[int, str]  # (process set id, tensor name)
 
 
 @functools.cache
-def _wire_dtype(compression: str, dtype: str) -> np.dtype:
+def wire_dtype(compression: str, dtype: str) -> np.dtype:
+    """The dtype a tensor of ``dtype`` travels in under ``compression``."""
     return Compression.by_name(compression).wire_dtype(DTYPES[dtype])
 
 
@@ -63,7 +64,7 @@ class Request:
 
     @property
     def wire_dtype(self) -> np.dtype:
-        return _wire_dtype(self.compression, self.dtype)
+        return wire_dtype(self.compression, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,11 @@ class Response:
     error: str = ""
     error_type: str = ""  # a class name from ringflow.errors
     value: int = -1  # join: the last rank to join; add_process_set: the new id
+    #: The coordinator's wire compression for this item (``RINGFLOW_WIRE_COMPRESSION`` or the
+    #: autotuner's), in place of the requests' own ``none``: see :func:`on_the_wire`.
+    wire: str = ""
+    #: Pipeline chunk bytes of this item's algorithm (0: the built-in), the same on every rank.
+    chunk: int = 0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -91,3 +97,20 @@ class CachedAllreduce:
 
     bits: tuple[int, ...]
     result: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    wire: str = ""  # as Response.wire
+    chunk: int = 0  # as Response.chunk
+
+
+@functools.lru_cache(maxsize=4096)
+def _rewired(req: Request, wire: str) -> Request:
+    return dataclasses.replace(req, compression=wire)
+
+
+def on_the_wire(item: Response) -> Response:
+    """``item`` as the executor runs it: with ``item.wire`` set, its requests travel in that
+    16-bit format (the coordinator sets it only on float32 Sum/Average allreduces of host arrays
+    whose calls asked for no compression, larger than ``EAGER_BYTES``)."""
+    if not item.wire:
+        return item
+    return dataclasses.replace(item, requests=tuple(_rewired(r, item.wire)
+                                                    for r in item.requests))

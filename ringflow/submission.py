@@ -40,8 +40,7 @@ from .process_sets import ProcessSet, set_id
 from .runtime import rank, running, size
 
 __all__ = ["GroupHandle", "call_site", "check_peer", "check_tag", "joined", "name_of",
-           "scales", "start_recv", "start_send", "submit",
-           "submit_group"]
+           "scales", "start_recv", "start_send", "submit", "submit_group", "submit_many"]
 
 # engine -> "kind/process set" -> call counter
 _counters: weakref.WeakKeyDictionary[Any, dict[str, itertools.count]] = (
@@ -234,6 +233,27 @@ def submit_fields(kind: str, array: Any, name: str | None, process_set: ProcessS
     name = name_of(kind, name, ps)
     fields["site"] = _site_for(eng, name, ps)
     return eng.enqueue(*request(eng, kind, array, name, process_set, out, fields))
+
+
+def submit_many(kind: str, arrays: Sequence[Any], names: Sequence[str | None],
+                process_set: ProcessSet, outs: Sequence[Any] | None,
+                fields: dict[str, Any]) -> list[Handle]:
+    """Hand several tensors to the engine at once, each its own operation (not a group: ranks
+    need not submit the same ones together); their handles. One call, so the engine sends them
+    to the coordinator in one submission (an optimizer's bucket: one message and one plan where
+    the tensors one by one took several, each waking threads on both sides).
+
+    Raises: as :func:`submit` (a name in flight: none of them is taken).
+    """
+    eng = running()
+    ps = _member_set(kind, kind, names[0] if names else None, process_set, fields)
+    items = []
+    for i, (array, name) in enumerate(zip(arrays, names, strict=True)):
+        name = name_of(kind, name, ps)
+        own = {**fields, "site": _site_for(eng, name, ps)}
+        items.append(request(eng, kind, array, name, process_set,
+                             None if outs is None else outs[i], own))
+    return eng.enqueue_many(items)
 
 
 def submit_group(kind: str, arrays: Sequence[Any], name: str | None, process_set: ProcessSet,

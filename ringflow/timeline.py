@@ -21,6 +21,11 @@ Layout (``pid`` = a track, ``tid`` = a row of it, one row per tensor name):
 * ``coordinator`` (``pid`` = the job's size): ``NEGOTIATE_<KIND>`` from the first rank's request
   to the plan, with a tick per rank when its request arrived (named by the rank, as Horovod's
   ticks are): who was early, who was late.
+* ``step`` (a row of each rank's track), for each step of a DistributedOptimizer
+  (:mod:`ringflow.overlap`): ``BACKWARD`` from the first gradient ready to the end of the
+  backward pass, ``args`` the step's exchange in milliseconds and the fraction of it that was
+  hidden under backward (``hidden``); ``EXPOSED`` from there until the step's last operation
+  completed; and a counter ``exchange hidden`` (0-1) per rank, one value per step;
 * metadata events on each rank's track: ``ringflow`` (``args.threads``: the rank's thread
   counts and where they come from, :mod:`ringflow.threads`) and ``process_labels``;
 * ``CLOCK_SYNC`` instants on each rank's track: the clock offset used (``args.offset_us``, the
@@ -82,8 +87,10 @@ _READY_KEPT = 64
 _clock: Callable[[], float] = time.perf_counter  # tests shift one rank's clock
 
 #: A finished operation: (process set, name, kind, called, planned, data plane start or None,
-#: done, tensors fused, error text).
-Record = tuple[int, str, str, float, float, float | None, float, int, str]
+#: done, tensors fused, error text); or an optimizer's step: ("step", first gradient ready,
+#: backward's end, exchange's end, metrics).
+Record = tuple[int, str, str, float, float, float | None, float, int, str] | tuple[
+    str, float, float, float, dict]
 
 
 def rank_metadata() -> dict[str, Any]:
@@ -134,8 +141,13 @@ class Timeline:
         if times is None:  # submitted before this timeline started
             return
         now = _clock()
-        record: Record = (key[0], key[1], kind, times[0], times[1] or now, times[2], now, fused,
-                          error)
+        self._add((key[0], key[1], kind, times[0], times[1] or now, times[2], now, fused, error))
+
+    def step(self, overlap: Any) -> None:
+        """An optimizer's step (:class:`ringflow.overlap.StepOverlap`)."""
+        self._add(("step", overlap.start, overlap.backward_end, overlap.end, overlap.metrics()))
+
+    def _add(self, record: Record) -> None:
         if self.writer is not None:
             self.writer.records(0, [record])
             return
@@ -366,6 +378,9 @@ class TraceWriter:
 
     # output (under the condition's lock) -------------------------------------------------------
     def _record(self, rank: int, record: Record, offset: float) -> None:
+        if record[0] == "step":
+            self._step(rank, record, offset)
+            return
         ps, name, kind, called, planned, started, done, fused, error = record
         # Before the file was started (another rank's first call, made before rank 0 was up)
         # counts from its start: a trace's times are never negative.
@@ -385,6 +400,17 @@ class TraceWriter:
             if started > planned:
                 self._complete(rank, row, "QUEUE", planned, started, {})
             self._complete(rank, row, "DATA_PLANE", max(started, planned), done, {"fused": fused})
+
+    def _step(self, rank: int, record: Record, offset: float) -> None:
+        _, start, backward_end, end, metrics = record
+        start, backward_end, end = (max(t - offset, self._t0) for t in (start, backward_end, end))
+        row = self._row(rank, "step")
+        self._complete(rank, row, "BACKWARD", start, backward_end, metrics)
+        if end > backward_end:
+            self._complete(rank, row, "EXPOSED", backward_end, end,
+                           {"exposed_ms": metrics["exposed_ms"]})
+        self._emit({"name": "exchange hidden", "ph": "C", "pid": rank, "ts": self._us(end),
+                    "args": {"hidden": metrics["hidden"]}})
 
     def _ready_time(self, key: Key, called: float, planned: float) -> float | None:
         """When ``key`` became ready at the coordinator, for an operation of this span."""

@@ -3,21 +3,26 @@
 - :func:`even_split` divides ``length`` items among ``parts`` ranks as evenly as possible, the
   remainder going to the lowest ranks (5 over 3 -> 2, 2, 1). Every algorithm uses it, so a rank can
   compute any other rank's share without asking.
-- :func:`chunk_ranges` cuts a range of elements into pipeline chunks of at most
-  :data:`CHUNK_BYTES`. Sender and receiver cut the same range the same way, so they agree on the
-  size of every message without sending it. Empty ranges have no chunks: no algorithm ever sends
-  an empty message.
+- :func:`chunk_ranges` cuts a range of elements into pipeline chunks of at most :data:`CHUNK_BYTES`
+  (or, on a thread inside :func:`chunk_size`, the size a plan item carries: ``RINGFLOW_CHUNK_BYTES``
+  or the autotuner's, the same on every rank for that item). Sender and receiver cut the same range
+  the same way, so they agree on the size of every message without sending it. Empty ranges have no
+  chunks: no algorithm ever sends an empty message.
 - :func:`as_bytes` is the zero-copy ``memoryview`` of a contiguous array (bfloat16 and bool have
   no buffer-protocol format, so every array goes through a ``uint8`` view).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import numpy as np
 
 from ..errors import TensorError
 
-__all__ = ["CHUNK_BYTES", "as_bytes", "chunk_elems", "chunk_ranges", "even_split"]
+__all__ = ["CHUNK_BYTES", "as_bytes", "chunk_elems", "chunk_ranges", "chunk_size", "even_split"]
 
 #: Largest message of a pipelined collective. 1 MiB is large enough that per-message overhead
 #: (a Python call, a syscall, a header) is small against copying it, and small enough that the
@@ -33,9 +38,28 @@ __all__ = ["CHUNK_BYTES", "as_bytes", "chunk_elems", "chunk_ranges", "even_split
 CHUNK_BYTES = 1 << 20
 
 
+class _Chunk(threading.local):
+    nbytes = 0  # 0: CHUNK_BYTES
+
+
+_chunk = _Chunk()
+
+
 def chunk_elems(itemsize: int) -> int:
     """Elements per pipeline chunk for items of ``itemsize`` bytes (read at call time)."""
-    return max(1, CHUNK_BYTES // itemsize)
+    return max(1, (_chunk.nbytes or CHUNK_BYTES) // itemsize)
+
+
+@contextlib.contextmanager
+def chunk_size(nbytes: int) -> Iterator[None]:
+    """Pipeline chunks of ``nbytes`` (0: :data:`CHUNK_BYTES`) on this thread inside the block.
+    Per thread, since every engine of a process (tests run several) has its own engine thread;
+    sender and receiver must use the same size, so it comes with the plan item."""
+    before, _chunk.nbytes = _chunk.nbytes, nbytes
+    try:
+        yield
+    finally:
+        _chunk.nbytes = before
 
 
 def even_split(length: int, parts: int) -> list[tuple[int, int]]:

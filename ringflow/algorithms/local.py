@@ -7,7 +7,10 @@ their cache bits; see :mod:`ringflow.negotiation`). Because the order of the ope
 depends on where an element sits in the buffer, both give bitwise identical results for the same
 inputs, whatever the fusion layout.
 
-Accumulation: 16-bit floats in float32 (rounded to 16 bits once, at the end); everything else in
+Accumulation: 16-bit floats in float32 (rounded to 16 bits once, at the end; each 16-bit block
+is widened and the result narrowed by :func:`ringflow.devices.casts.cast_into`, a framework's
+kernel where one is imported, with numpy's bits: numpy's own float16 loops cost ~7x more, which
+kept fp16 compression slower than none); everything else in
 its own dtype, integers included (a sum that overflows wraps, as on the ring, MPI and NCCL), the
 scale of integers applied in float64, truncated toward zero and wrapped into the dtype
 (:func:`ringflow.ops.wrap_integers`). AVERAGE
@@ -19,9 +22,11 @@ sum overflowed was the true mean here and the wrapped one on the ring; the soak 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from ..devices import casts
 from ..errors import TensorError
 from ..ops import ReduceOp, is_float16ish, ufunc, wrap_integers
 from .buffers import chunk_elems, chunk_ranges
@@ -68,6 +73,8 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
     # own input): writing parts[0] there first would destroy that part before it is read.
     stream = (hi - lo) * dtype.itemsize >= STREAM_BYTES
     per = chunk_elems(8 if scale_ints else acc_dtype.itemsize) // (1 if stream else 2) or 1
+    if wide and hi - lo >= casts.MIN_ELEMENTS:
+        return _reduce_wide(parts, lo, hi, dst, combine, factor, mirror)
     if (hi - lo <= per and not (wide or stream or scale_ints) and mirror is None
             and _apart(dst, parts)):
         # One block into a dst apart from every part (small tensors: the eager path and the
@@ -118,6 +125,34 @@ def reduce_parts(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray,
             np.copyto(dst[a:b], tmp, casting="unsafe")
         if mirror is not None:
             np.copyto(mirror[a:b], tmp, casting="unsafe")
+
+
+#: Elements per block of a 16-bit reduction: a framework's cast of each block is one parallel
+#: region of its thread pool, so blocks are large (4 MiB of float32) to keep the regions few (a
+#: region waits for every thread, and a preempted one costs a time slice on a loaded host).
+WIDE_BLOCK = casts.CHUNK
+
+
+def _reduce_wide(parts: Sequence[np.ndarray], lo: int, hi: int, dst: np.ndarray, combine: Any,
+                 factor: float, mirror: np.ndarray | None) -> None:
+    """:func:`reduce_parts` of 16-bit floats: each block of each part widened to float32 (exact),
+    combined in float32 in rank order, scaled, narrowed once: the bits of numpy's mixed-dtype
+    ufuncs (``combine(f16, f16, dtype=float32)``, then ``copyto``), at a kernel's speed."""
+    n = min(WIDE_BLOCK, hi - lo)
+    acc = np.empty(n, np.float32)
+    got = np.empty(n, np.float32) if len(parts) > 1 else None
+    for a, b in chunk_ranges(lo, hi, WIDE_BLOCK):
+        tmp = acc[: b - a]
+        casts.cast_into(tmp, parts[0][a:b])
+        for part in parts[1:]:
+            other = got[: b - a]
+            casts.cast_into(other, part[a:b])
+            combine(tmp, other, out=tmp)
+        if factor != 1.0:
+            np.multiply(tmp, factor, out=tmp, casting="unsafe")
+        casts.cast_into(dst[a:b], tmp)
+        if mirror is not None:
+            casts.cast_into(mirror[a:b], tmp)
 
 
 def _apart(dst: np.ndarray, parts: Sequence[np.ndarray]) -> bool:

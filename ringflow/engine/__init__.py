@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from .. import errors, fault
+from ..autotune import Params
 from ..backends import Backends
 from ..config import Config
 from ..errors import RingflowError, ShutdownError
@@ -109,6 +110,9 @@ class Engine:
         if config.timeline_path:
             self._timeline = Timeline(config.timeline_path, rank, size, self._send)
         self.p2p = PointToPoint(rank, size, transport.send_ctrl, self.stats)
+        # The tunable values in force (ringflow.autotune): the configuration's, until rank 0's
+        # autotuner (the seat's) sends others with a plan.
+        self.params = Params.of(config)
         self.seat = CoordinatorSeat(self)
         self.verdicts = Verdicts(self)
         self.posts = Posts(self)
@@ -193,6 +197,7 @@ class Engine:
                 self._refuse = ShutdownError("ringflow has been shut down; call init() again")
         self._inbox.put((Wake.STOP,))
         self._thread.join(self.config.timeout_s)
+        self.seat.stop_tuning()
         self.timeline(None)  # before the goodbye: the last records travel ahead of it
         self._liveness.stop()
         self.seat.hand_over()
@@ -202,6 +207,12 @@ class Engine:
         """Fail the job on every rank with ``error``, as a fatal condition found here would: this
         process is going down (an uncaught exception, :mod:`ringflow.failure`)."""
         self._inbox.put((Wake.ERROR, error))
+
+    def record_step(self, overlap: Any) -> None:
+        """An optimizer's step (:class:`ringflow.overlap.StepOverlap`), for the timeline."""
+        tl = self._timeline
+        if tl is not None:
+            tl.step(overlap)
 
     def timeline(self, path: str | None) -> None:
         """Start recording the job's timeline (rank 0 writes it to ``path``), or stop with None.
@@ -284,7 +295,7 @@ class Engine:
     def _next_items(self) -> list[tuple]:
         c = self.seat.coordinator
         busy = self._pending or (c is not None and c.holding)
-        wait = self.config.cycle_time_ms / 1000.0 if busy else self._liveness.interval
+        wait = self.params.cycle_time_ms / 1000.0 if busy else self._liveness.interval
         try:
             items = [self._inbox.get(timeout=wait)]
         except queue.Empty:

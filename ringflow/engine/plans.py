@@ -19,6 +19,7 @@ from ..collectives import Kind, collective
 from ..errors import from_wire
 from ..executor import Entry, unpack
 from ..negotiation import CachedAllreduce, Response
+from ..requests import on_the_wire
 from .common import Wake
 
 if TYPE_CHECKING:
@@ -48,11 +49,13 @@ class Plans:
                 refs = tuple(e.cache.ref[b] for b in item.bits)
                 result = item.result
                 # A joined rank has no entry here: the executor gives it zeros.
-                resp = Response(Kind.ALLREDUCE, refs[0].process_set, refs, joined=())
+                resp = Response(Kind.ALLREDUCE, refs[0].process_set, refs, joined=(),
+                                wire=item.wire, chunk=item.chunk)
             else:
                 resp = item
                 mine = {r.key: e._submitted.get(r.key) for r in item.requests}
                 e.cache.record(item, mine.get)
+            resp = on_the_wire(resp)
             for r in resp.requests:
                 e._submitted.pop(r.key, None)
             if e._timeline is not None:

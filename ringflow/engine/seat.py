@@ -16,9 +16,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .. import fault
+from ..autotune import Params, Tuner, fixed_knobs
 from ..errors import RingflowError, ShutdownError
 from ..messages import Handover, Heartbeat, Message, Plan, Submit, encode
-from ..negotiation import Coordinator, Request
+from ..negotiation import CachedAllreduce, Coordinator, Request, Response
 from .common import Wake
 
 if TYPE_CHECKING:
@@ -34,6 +35,15 @@ class CoordinatorSeat:
         self.e = engine
         self.coord = 0  # the rank that coordinates
         self.coordinator: Coordinator | None = self._new() if engine.rank == 0 else None
+        config = engine.config
+        # Rank 0's autotuner (ringflow.autotune); dropped once it has chosen (or on a handover:
+        # the values in force stay).
+        self.tuner = Tuner(
+            engine.params, allowed_compression=config.autotune_compression,
+            fixed=fixed_knobs(), warmup_samples=config.autotune_warmup_samples,
+            steps_per_sample=config.autotune_steps_per_sample,
+            log_path=config.autotune_log_file,
+        ) if engine.rank == 0 and engine.size > 1 and config.autotune else None
         self.early_submits: list[tuple[int, Submit]] = []  # before this rank took over
         # The coordinator stream: the seq of the next plan or handover to take in, those that
         # arrived ahead of it, and the goodbyes this rank saw while it did not coordinate (a
@@ -44,7 +54,46 @@ class CoordinatorSeat:
 
     def _new(self) -> Coordinator:
         e = self.e
-        return Coordinator(e.size, e._members, e.config.fusion_threshold_bytes, e.cache)
+        return self._configure(Coordinator(e.size, e._members, e.config.fusion_threshold_bytes,
+                                           e.cache))
+
+    # the tunable values ------------------------------------------------------------------------
+    def _configure(self, c: Coordinator) -> Coordinator:
+        """What the coordinator applies of the values in force: the fusion threshold, and what
+        its plan items carry (the wire compression, the chunk size)."""
+        p = self.e.params
+        c.fusion_threshold = p.fusion_threshold_bytes
+        c.wire = "" if p.wire_compression == "none" else p.wire_compression
+        c.chunk = p.chunk_bytes
+        return c
+
+    def set_params(self, params: Params) -> None:
+        """New values (under the lock, in stream order): items planned from now on carry them,
+        optimizers read them at their next backward pass."""
+        self.e.params = params
+        if self.coordinator is not None:
+            self._configure(self.coordinator)
+
+    def _tune(self, plan: list[Response | CachedAllreduce]) -> Params | None:
+        """Rank 0: tell the autotuner what was planned; its new values, now in force here."""
+        cache, names = self.e.cache, []
+        for item in plan:
+            if isinstance(item, CachedAllreduce):
+                names += [(cache.key_of[b], cache.ref[b].nbytes) for b in item.bits]
+            else:
+                names += [(r.key, r.nbytes) for r in item.requests]
+        params = self.tuner.planned(names)
+        if self.tuner.done:
+            self.tuner = None
+        if params is not None:
+            self.set_params(params)
+        return params
+
+    def stop_tuning(self) -> None:
+        """The job ends (its log keeps what the tuner measured)."""
+        tuner, self.tuner = self.tuner, None
+        if tuner is not None:
+            tuner.close()
 
     # requests ----------------------------------------------------------------------------------
     def submit(self, requests: list[Request], bits: list[int], data: list[Any]) -> None:
@@ -76,13 +125,14 @@ class CoordinatorSeat:
         here."""
         e, c = self.e, self.coordinator
         holding = c.holding
-        plan = c.plan(e.config.cycle_time_ms / 1000.0)
+        plan = c.plan(e.params.cycle_time_ms / 1000.0)
         if plan:
             if e._timeline is not None:
                 e._timeline.negotiated(plan, e.cache)
+            params = self._tune(plan) if self.tuner is not None else None
             seq = self.stream
             self.stream += 1
-            self.broadcast(Plan(plan, seq))
+            self.broadcast(Plan(plan, seq, params))
             e.plans.receive(plan)
         elif c.holding and not holding:
             e._inbox.put((Wake.TICK,))  # the engine thread plans them when the window closes
@@ -97,6 +147,8 @@ class CoordinatorSeat:
         while True:
             self.stream += 1
             if isinstance(msg, Plan):
+                if msg.params is not None:
+                    self.set_params(msg.params)
                 self.e.plans.receive(msg.items)
             else:
                 self._take_over(msg)

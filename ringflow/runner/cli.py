@@ -56,11 +56,11 @@ Spelling (origin)                         ringflow-run
                                           runs the same number of ranks
 ``--hierarchical-allgather``              note: the allgather is a ring; no hierarchical variant
                                           (``--no-hierarchical-allgather``: silent, as asked)
-``--autotune``, ``--autotune-log-file``,  note: ringflow has no autotuner (``--no-autotune``:
-``--autotune-warmup-samples``,            silent)
-``--autotune-steps-per-sample``,
-``--autotune-bayes-opt-max-samples``,
-``--autotune-gaussian-process-noise``
+``--autotune``, ``--autotune-log-file``,  ringflow's autotuner (:mod:`ringflow.autotune`):
+``--autotune-warmup-samples``,            ``RINGFLOW_AUTOTUNE``, ``_AUTOTUNE_LOG_FILE``,
+``--autotune-steps-per-sample``           ``_AUTOTUNE_WARMUP_SAMPLES``, ``_STEPS_PER_SAMPLE``
+``--autotune-bayes-opt-max-samples``,     note: the autotuner is a coordinate search, not
+``--autotune-gaussian-process-noise``     Bayesian optimisation
 ``--timeline-mark-cycles``                note: ringflow has no cycles to mark
                                           (``--no-timeline-mark-cycles``: silent)
 ``--disable-cache``                       note: ringflow-run keeps no cache
@@ -189,6 +189,11 @@ TUNING: dict[str, tuple[str, Callable[[Any], str]]] = {
     "gloo_timeout_seconds": ("RINGFLOW_TIMEOUT_S", str),  # after start_timeout: it wins
     "bind_to": ("RINGFLOW_BIND_TO", str),
     "transport": ("RINGFLOW_TRANSPORT", str),
+    "autotune": ("RINGFLOW_AUTOTUNE", lambda on: "1" if on else "0"),
+    "autotune_log_file": ("RINGFLOW_AUTOTUNE_LOG_FILE", lambda p: os.path.abspath(p)),
+    "autotune_warmup_samples": ("RINGFLOW_AUTOTUNE_WARMUP_SAMPLES", str),
+    "autotune_steps_per_sample": ("RINGFLOW_AUTOTUNE_STEPS_PER_SAMPLE", str),
+    "autotune_compression": ("RINGFLOW_AUTOTUNE_COMPRESSION", str),
 }
 
 
@@ -281,6 +286,20 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--transport", choices=("auto", "tcp", "shm", "mpi"),
                       help="RINGFLOW_TRANSPORT: auto (shared memory within hosts, TCP across), "
                            "tcp or shm; mpi needs mpirun (default auto)")
+    tune.add_argument("--autotune", action="store_true", default=None,
+                      help="tune fusion, buckets, chunk sizes and cycle time online from the "
+                           "step rate (RINGFLOW_AUTOTUNE; ringflow.autotune)")
+    tune.add_argument("--no-autotune", dest="autotune", action="store_false",
+                      help=argparse.SUPPRESS)
+    tune.add_argument("--autotune-log-file", metavar="FILE",
+                      help="rank 0 writes the autotuner's samples and its choice here (CSV)")
+    tune.add_argument("--autotune-warmup-samples", type=int, metavar="N",
+                      help="samples the autotuner ignores at the start (default 2)")
+    tune.add_argument("--autotune-steps-per-sample", type=int, metavar="N",
+                      help="steps per autotuner sample (default 4)")
+    tune.add_argument("--autotune-compression", choices=("none", "fp16", "bf16"),
+                      help="let the autotuner send large float32 allreduces in this 16-bit "
+                           "format (changes results; default none: never)")
     tune.add_argument("--gloo", action="store_true", help=argparse.SUPPRESS)
     tune.add_argument("--tcp", dest="tcp_flag", action="store_true", help=argparse.SUPPRESS)
     tune.add_argument("--gloo-timeout-seconds", type=float, metavar="S", help=argparse.SUPPRESS)

@@ -98,13 +98,10 @@ NOTES: tuple[Foreign, ...] = (
     Foreign(("--hierarchical-allgather",),
             "ringflow's allgather is a ring over all ranks; there is no hierarchical variant"),
     _off("--no-hierarchical-allgather", "hierarchical_allgather"),
-    Foreign(("--autotune",), "ringflow has no autotuner; set --fusion-threshold-mb and "
-                             "--cycle-time-ms yourself"),
-    _off("--no-autotune", "autotune"),
-    *(Foreign((f"--autotune-{name}",), "ringflow has no autotuner; set --fusion-threshold-mb "
-                                      "and --cycle-time-ms yourself", nargs=1)
-      for name in ("log-file", "warmup-samples", "steps-per-sample", "bayes-opt-max-samples",
-                   "gaussian-process-noise")),
+    *(Foreign((f"--autotune-{name}",), "ringflow's autotuner is a coordinate search, not "
+                                      "Bayesian optimisation; --autotune-steps-per-sample sets "
+                                      "its sample length", nargs=1)
+      for name in ("bayes-opt-max-samples", "gaussian-process-noise")),
     Foreign(("--timeline-mark-cycles",), "ringflow has no cycles to mark (negotiation is "
                                          "event-driven); the timeline is written without them"),
     _off("--no-timeline-mark-cycles", "timeline_mark_cycles"),

@@ -26,7 +26,7 @@ import torch
 
 import ringflow as _rf
 
-from .. import ProcessSet, global_process_set
+from .. import ProcessSet, global_process_set, submission
 from .. import _adapter as kit
 from ..compression import Compressor
 from ..ops import Average, ReduceOp
@@ -172,6 +172,25 @@ def _allreduce_async(tensors: Sequence[Any], group: bool, inplace: bool, name: s
         core = _rf.allreduce_async(arrays[0], kit.op_name("allreduce", name),
                                    out=None if outs is None else outs[0], **kwargs)
     return TorchHandle(core, _finished(results, finishers, group))
+
+
+def allreduce_many_async_(tensors: Sequence[torch.Tensor], names: Sequence[str | None],
+                          op: ReduceOp, prescale: float, postscale: float,
+                          process_set: ProcessSet, compression: Compressor) -> list[TorchHandle]:
+    """In-place allreduces of ``tensors``, each its own operation, handed to the engine in one
+    call (:func:`ringflow.submission.submit_many`): a DistributedOptimizer's bucket."""
+    arrays, outs, finishes = [], [], []
+    for tensor in tensors:
+        (array,), out, results, finishers = _outputs([tensor], "allreduce", True)
+        arrays.append(array)
+        outs.append(None if out is None else out[0])
+        finishes.append(_finished(results, finishers, False))
+    fields = submission.scales(op, prescale, postscale)
+    fields["compression"] = compression.name
+    cores = submission.submit_many("allreduce", arrays,
+                                   [kit.op_name("allreduce", n) for n in names], process_set,
+                                   outs, fields)
+    return [TorchHandle(core, finish) for core, finish in zip(cores, finishes, strict=True)]
 
 
 def _allgather_async(tensors: Sequence[Any], group: bool, name: str | None,

@@ -5,14 +5,19 @@ How it works (the same protocol as ``horovod.torch.DistributedOptimizer``):
 1. At construction every parameter that requires a gradient gets a post-accumulate-grad hook.
 2. During ``loss.backward()``, as soon as a parameter's gradient is accumulated, its hook counts a
    backward pass; on the ``backward_passes_per_step``-th pass it starts an asynchronous in-place
-   allreduce of ``p.grad``, as the shared batching policy decides (:mod:`ringflow.batching`): a
-   large gradient at once, small ones in a bucket until it is full or the pass ends, an explicit
-   ``groups`` member as one grouped allreduce once its group is complete. Communication of early
-   gradients overlaps the rest of the backward pass; the engine fuses whatever is ready together.
+   allreduce of ``p.grad``, as the shared batching policy decides (:mod:`ringflow.batching`):
+   buckets in the order gradients become ready (the first one small), each submitted once it is
+   full or the pass ends, an explicit ``groups`` member as one grouped allreduce once its group is
+   complete. Communication of early gradients overlaps the rest of the backward pass; the engine
+   fuses whatever is ready together. The bucket size is read from the engine when a pass starts
+   (``RINGFLOW_BUCKET_BYTES``, or the autotuner's choice).
 3. ``step()`` calls :meth:`synchronize` (unless inside ``skip_synchronize()``), which starts the
    allreduce of every parameter whose hook did not fire - a gradient this rank did not compute is
    sent as zeros, because other ranks may have computed it - waits for everything, and then runs
    the wrapped optimizer's own step.
+
+After each step, ``step_overlap`` holds how much of its exchange the backward pass hid
+(:class:`ringflow.overlap.StepOverlap`), and the timeline, when one is recorded, shows it.
 
 Averaging: ``op=Average`` with ``gradient_predivide_factor=f`` scales by ``1/f`` before the sum and
 by ``f/size`` after it (Horovod's split of the average). Compression ``fp16`` / ``bf16`` is done by
@@ -32,15 +37,17 @@ from typing import Any
 
 import torch
 
-from .. import ProcessSet, global_process_set, size
+from .. import ProcessSet, global_process_set, runtime, size
 from .._adapter import broadcast_object
-from ..batching import Batch, GradientBatcher
+from ..batching import Batch, BucketPolicy, GradientBatcher
 from ..compression import Compressor
 from ..errors import AdasumError, RingflowError
 from ..ops import Adasum, Average, ReduceOp
+from ..overlap import StepClock, StepOverlap
 from .compression import Compression
 from .mpi_ops import (
     allreduce_async_,
+    allreduce_many_async_,
     grouped_allreduce_async_,
     sparse_allreduce_async,
     synchronize,
@@ -93,7 +100,9 @@ class _DistributedOptimizer:
         self.process_set = process_set
         self._handles: dict[Any, tuple[Any, Any]] = {}
         self._batcher: GradientBatcher[torch.Tensor] = GradientBatcher([])
-        self._flush_queued = False
+        self._flush_queued = False  # the end-of-pass callback is queued: a pass is running
+        self._clock = StepClock()
+        self.step_overlap: StepOverlap | None = None  # the last step's (ringflow.overlap)
         self._requires_update: set[torch.Tensor] = set()
         self._synchronized = False
         self._should_synchronize = True
@@ -141,6 +150,8 @@ class _DistributedOptimizer:
                 raise OptimizerMisuseError(
                     f"the gradient of {self._parameter_names.get(p)!r} requires grad "
                     "(create_graph=True); DistributedOptimizer cannot allreduce it")
+            if not self._flush_queued:
+                self._pass_started()
             self._allreduce_delay[p] -= 1
             if self._allreduce_delay[p] != 0:
                 self._handles[p] = (None, None)  # not due: synchronize() sends it if need be
@@ -151,12 +162,18 @@ class _DistributedOptimizer:
             grad = p.grad
             nbytes = None if grad is None or grad.is_sparse else grad.numel() * grad.element_size()
             self._submit(self._batcher.ready(p, nbytes))
-            if self._batcher.holding and not self._flush_queued:
-                self._flush_queued = True
-                # Runs once the current backward pass has finished (DDP uses the same hook).
-                torch.autograd.Variable._execution_engine.queue_callback(self._flush)
 
         return hook
+
+    def _pass_started(self) -> None:
+        """The first hook of a backward pass: this pass's buckets, and its end's callback."""
+        self._flush_queued = True
+        # Runs once the current backward pass has finished (DDP uses the same hook).
+        torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        self._clock.pass_started()
+        engine = runtime.running()
+        if engine.params.bucket_bytes != self._batcher.policy.bucket_bytes:
+            self._batcher.policy = BucketPolicy(engine.params.bucket_bytes)
 
     def _submit(self, batches: list[Batch[torch.Tensor]]) -> None:
         for keys, grouped in batches:
@@ -164,13 +181,20 @@ class _DistributedOptimizer:
                 for p in keys:
                     self._handles.pop(p, None)
                 self._handles[keys] = self._grouped_allreduce_grad_async(keys)
+                self._clock.submitted(self._handles[keys][0])
+            elif len(keys) > 1 and isinstance(self._compression, Compressor) and not any(
+                    p.grad is not None and p.grad.is_sparse for p in keys):
+                self._allreduce_bucket_async(keys)
             else:
                 for p in keys:
                     self._handles[p] = self._allreduce_grad_async(p)
+                    self._clock.submitted(self._handles[p][0])
 
     def _flush(self) -> None:
         """The backward pass has ended: submit the gradients the batcher's bucket holds."""
-        self._flush_queued = False
+        if self._flush_queued:
+            self._flush_queued = False
+            self._clock.backward_ended()
         self._submit(self._batcher.flush())
 
     def _scales(self) -> tuple[float, float]:
@@ -200,6 +224,19 @@ class _DistributedOptimizer:
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
                                   postscale_factor=post, process_set=self.process_set)
         return handle, ("custom", ctx)
+
+    def _allreduce_bucket_async(self, keys: tuple[torch.Tensor, ...]) -> None:
+        """A bucket of dense gradients: separate operations, handed to the engine at once."""
+        for p in keys:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        pre, post = self._scales()
+        handles = allreduce_many_async_([p.grad for p in keys],
+                                        [self._parameter_names.get(p) for p in keys], self.op,
+                                        pre, post, self.process_set, self._compression)
+        for p, handle in zip(keys, handles, strict=True):
+            self._handles[p] = (handle, None)
+            self._clock.submitted(handle)
 
     def _grouped_allreduce_grad_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
         for p in group:
@@ -254,9 +291,11 @@ class _DistributedOptimizer:
         for p in sorted(self._requires_update - completed,
                         key=lambda q: self._parameter_names.get(q) or ""):
             self._handles[p] = self._allreduce_grad_async(p)
+            self._clock.submitted(self._handles[p][0])
         for p, (handle, _) in list(self._handles.items()):
             if handle is None or handle is _PENDING:
                 self._handles[p] = self._allreduce_grad_async(p)
+                self._clock.submitted(self._handles[p][0])
         for key, (handle, ctx) in self._handles.items():
             if isinstance(key, tuple):
                 outputs = synchronize(handle)
@@ -273,6 +312,10 @@ class _DistributedOptimizer:
         self._handles.clear()
         self._batcher.reset()
         self._synchronized = True
+        overlap = self._clock.finish()
+        if overlap is not None:
+            self.step_overlap = overlap
+            runtime.running().record_step(overlap)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

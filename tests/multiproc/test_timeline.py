@@ -41,7 +41,7 @@ rf.shutdown()
 
 FIELDS = {"M": {"name", "ph", "pid", "args"}, "X": {"name", "ph", "pid", "tid", "ts", "dur"},
           "i": {"name", "ph", "pid", "tid", "ts"}, "B": {"name", "ph", "pid", "tid", "ts"},
-          "E": {"ph", "pid", "tid", "ts"}}
+          "E": {"ph", "pid", "tid", "ts"}, "C": {"name", "ph", "pid", "ts", "args"}}
 
 
 def check_trace_events(events: list[dict]) -> None:
@@ -173,3 +173,48 @@ def test_timeline_from_the_environment_and_restarted_at_run_time(tmp_path: Path)
             assert len(ops) == len(tensors) * (3 if op == "ALLREDUCE" else 1), (path, rank)
             if op == "ALLREDUCE":  # the two tensors of the group were fused into one collective
                 assert {e["args"]["fused"] for e in ops} == {2}
+
+
+TORCH_WORKER = """
+import torch, torch.nn.functional as F
+import ringflow.torch as hvd
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 128))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+for _ in range(4):
+    opt.zero_grad()
+    F.cross_entropy(model(torch.randn(8, 256)), torch.randint(0, 128, (8,))).backward()
+    opt.step()
+    o = opt.step_overlap
+    print("STEP", o.operations, o.early, round(o.fraction, 3), flush=True)
+hvd.shutdown()
+"""
+
+
+def test_each_optimizer_step_shows_how_much_exchange_backward_hid(tmp_path) -> None:
+    pytest.importorskip("torch")
+    script = tmp_path / "worker.py"
+    script.write_text(TORCH_WORKER)
+    trace = tmp_path / "trace.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringflow.runner", "-np", "2", "--timeline-filename", str(trace),
+         sys.executable, str(script)],
+        env={**ENV, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("STEP 4 2") == 8, proc.stdout  # the head (1 MiB) went early
+    events = json.loads(trace.read_text())
+    check_trace_events(events)
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    for rank in (0, 1):
+        backward = [e for e in events if e["ph"] == "X" and e["pid"] == rank
+                    and e["name"] == "BACKWARD"]
+        assert len(backward) == 4 and {rows[(rank, e["tid"])] for e in backward} == {"step"}
+        for e in backward:
+            args = e["args"]
+            assert 0.0 <= args["hidden"] <= 1.0 and args["operations"] == 4, args
+            assert args["hidden_ms"] + args["exposed_ms"] == pytest.approx(args["exchange_ms"],
+                                                                           abs=0.002)
+        counters = [e for e in events if e["ph"] == "C" and e["pid"] == rank]
+        assert len(counters) == 4 and all(0 <= e["args"]["hidden"] <= 1 for e in counters)

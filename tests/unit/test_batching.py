@@ -5,14 +5,17 @@ from __future__ import annotations
 import pytest
 
 from ringflow.batching import (
+    AT_END,
     BUCKET_BYTES,
-    SMALL_GRADIENT_BYTES,
+    FIRST_BUCKET_BYTES,
     Batch,
+    BucketPolicy,
     GradientBatcher,
     split_groups,
 )
 
 KIB = 1024
+MIB = 1024 * KIB
 
 
 @pytest.mark.parametrize(("n", "parts", "want"), [
@@ -23,26 +26,41 @@ def test_split_groups_is_horovods_split_list(n: int, parts: int, want: list[list
     assert split_groups(list(range(n)), parts) == want
 
 
-def test_large_gradients_go_at_once_small_ones_wait_for_the_bucket_or_the_flush() -> None:
-    b = GradientBatcher("abcdef")
-    assert b.ready("a", SMALL_GRADIENT_BYTES) == [Batch(("a",), False)]
-    assert b.ready("b", None) == [Batch(("b",), False)]  # unknown size or sparse: alone
-    assert b.ready("c", 10 * KIB) == []
-    assert b.ready("d", 0) == []
+def test_buckets_close_at_their_cap_the_first_one_sooner() -> None:
+    b = GradientBatcher("abcdefgh", policy=BucketPolicy(4 * MIB))
+    assert b.ready("a", 10 * KIB) == []  # the first bucket: 1 MiB
     assert b.holding
-    assert b.ready("e", 5 * SMALL_GRADIENT_BYTES) == [Batch(("e",), False)]
-    assert b.flush() == [Batch(("c", "d"), False)]
+    assert b.ready("b", MIB) == [Batch(("a", "b"), False)]
+    assert not b.holding
+    assert b.ready("c", 2 * MIB) == []  # later buckets: 4 MiB
+    assert b.ready("d", 2 * MIB) == [Batch(("c", "d"), False)]
+    assert b.ready("e", 5 * MIB) == [Batch(("e",), False)]  # larger than a bucket: at once
+    assert b.ready("f", None) == [Batch(("f",), False)]  # unknown size or sparse: alone
+    assert b.ready("g", 0) == []
+    assert b.flush() == [Batch(("g",), False)]
     assert not b.holding and b.flush() == []
+    # The next pass starts with a first bucket again.
+    assert b.ready("a", MIB) == [Batch(("a",), False)]
 
 
-def test_the_bucket_is_a_batch_once_it_holds_bucket_bytes() -> None:
-    b = GradientBatcher(range(10))
-    step = SMALL_GRADIENT_BYTES - 1
-    got = [batch for i in range(10) for batch in b.ready(i, step)] + b.flush()
+def test_many_small_gradients_make_first_then_full_buckets() -> None:
+    b = GradientBatcher(range(40))
+    step = 300 * KIB
+    got = [batch for i in range(40) for batch in b.ready(i, step)] + b.flush()
+    first = -(-FIRST_BUCKET_BYTES // step)
     per_bucket = -(-BUCKET_BYTES // step)
+    starts = [0, *range(first, 40, per_bucket)]
     assert [batch.keys for batch in got] == [
-        tuple(range(i, min(i + per_bucket, 10))) for i in range(0, 10, per_bucket)]
+        tuple(range(s, e)) for s, e in zip(starts, [*starts[1:], 40], strict=True)]
     assert not any(batch.grouped for batch in got)
+
+
+def test_at_end_holds_everything_until_the_pass_ends() -> None:
+    b = GradientBatcher("abc", policy=AT_END)
+    assert b.ready("a", 1 << 30) == [] and b.ready("b", None) == [] and b.ready("c", 1) == []
+    assert b.flush() == [Batch(("a", "b", "c"), False)]
+    b.policy = BucketPolicy()  # changed between passes (the autotuner)
+    assert b.ready("a", 1 << 30) == [Batch(("a",), False)]
 
 
 def test_explicit_groups_complete_in_any_order_the_rest_follow_the_size_rule() -> None:
@@ -52,8 +70,8 @@ def test_explicit_groups_complete_in_any_order_the_rest_follow_the_size_rule() -
     assert b.ready("b", 1) == []  # ungrouped, small: bucket
     assert b.ready("d", 1) == [Batch(("d",), True)]
     assert b.ready("c", 1 << 30) == [Batch(("c", "a"), True)]
-    assert b.ready("e", 1 << 30) == [Batch(("e",), False)]
-    assert b.flush() == [Batch(("b",), False)]
+    assert b.ready("e", 1 << 30) == [Batch(("b", "e"), False)]  # the bucket reached its cap
+    assert b.flush() == []
     # The counts start again: the next step completes the same groups.
     assert b.ready("c", 1) == [] and b.ready("a", 1) == [Batch(("c", "a"), True)]
 

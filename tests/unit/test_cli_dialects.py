@@ -265,15 +265,29 @@ def test_refusal_texts():
 
 
 def test_notes_that_share_a_text_are_one_line(job, capsys):
-    assert cli.main(["-np", "2", "--autotune", "--autotune-log-file", "a.csv",
-                     "--autotune-warmup-samples", "3", "--hierarchical-allreduce", "true"]) == 0
+    assert cli.main(["-np", "2", "--autotune-bayes-opt-max-samples", "9",
+                     "--autotune-gaussian-process-noise", "0.5", "--hierarchical-allreduce",
+                     "true"]) == 0
     assert capsys.readouterr().err.splitlines() == [
         "ringflow-run: note: --hierarchical-allreduce: ringflow picks the hierarchical allreduce "
         "itself (shared memory within each host, a ring across hosts) whenever every host runs "
         "the same number of ranks; --transport tcp gives a flat ring",
-        "ringflow-run: note: --autotune, --autotune-log-file, --autotune-warmup-samples: "
-        "ringflow has no autotuner; set --fusion-threshold-mb and --cycle-time-ms yourself",
+        "ringflow-run: note: --autotune-bayes-opt-max-samples, --autotune-gaussian-process-noise:"
+        " ringflow's autotuner is a coordinate search, not Bayesian optimisation; "
+        "--autotune-steps-per-sample sets its sample length",
     ]
+
+
+def test_horovods_autotune_flags_run_ringflows_autotuner(job, capsys):
+    assert cli.main(["-np", "2", "--autotune", "--autotune-log-file", "a.csv",
+                     "--autotune-warmup-samples", "3", "--autotune-steps-per-sample", "4",
+                     "--autotune-compression", "fp16", "true"]) == 0
+    env = job["base_env"]
+    assert env["RINGFLOW_AUTOTUNE"] == "1"
+    assert env["RINGFLOW_AUTOTUNE_LOG_FILE"] == os.path.abspath("a.csv")
+    assert (env["RINGFLOW_AUTOTUNE_WARMUP_SAMPLES"], env["RINGFLOW_AUTOTUNE_STEPS_PER_SAMPLE"],
+            env["RINGFLOW_AUTOTUNE_COMPRESSION"]) == ("3", "4", "fp16")
+    assert capsys.readouterr().err == ""
 
 
 def test_every_refusal_is_reported_not_only_the_first(capsys):
@@ -386,8 +400,7 @@ def test_horovod_variables_become_the_workers_ringflow_variables(job, capsys, mo
     assert capsys.readouterr().err.splitlines() == [
         "ringflow-run: warning: HOROVOD_FUSION_THRESHOLD=1048576 read as "
         "RINGFLOW_FUSION_THRESHOLD_BYTES=1048576",
-        "ringflow-run: warning: HOROVOD_AUTOTUNE=1 has no effect: ringflow has no autotuner; "
-        "set RINGFLOW_FUSION_THRESHOLD_BYTES and RINGFLOW_CYCLE_TIME_MS yourself",
+        "ringflow-run: warning: HOROVOD_AUTOTUNE=1 read as RINGFLOW_AUTOTUNE=1",
         "ringflow-run: note: HOROVOD_CYCLE_TIME=5 is ignored: RINGFLOW_CYCLE_TIME_MS=2.0 is set",
     ]
 
@@ -454,6 +467,8 @@ def test_horovodruns_nested_config_file(tmp_path, job, capsys):
         "RINGFLOW_TIMEOUT_S": "40.0",
         "RINGFLOW_LOG_LEVEL": "debug",
         "RINGFLOW_BIND_TO": "auto",  # ringflow-run's default
+        "RINGFLOW_AUTOTUNE": "0",
+        "RINGFLOW_AUTOTUNE_LOG_FILE": os.path.abspath("tune.csv"),
     }
     key = "--config-file"
     err = capsys.readouterr().err.splitlines()
@@ -461,8 +476,6 @@ def test_horovodruns_nested_config_file(tmp_path, job, capsys):
         f"ringflow-run: note: {key} params.hierarchical_allreduce: ringflow picks the "
         "hierarchical allreduce itself whenever every host runs the same number of ranks; "
         "--transport tcp gives a flat ring",
-        f"ringflow-run: note: {key} autotune.log_file: ringflow has no autotuner; set "
-        "--fusion-threshold-mb and --cycle-time-ms yourself",
         f"ringflow-run: note: {key} timeline.mark_cycles: ringflow has no cycles to mark "
         "(negotiation is event-driven); the timeline is written without them",
         f"ringflow-run: note: {key} library_options.num_nccl_streams: ringflow takes no number "

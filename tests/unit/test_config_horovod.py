@@ -35,6 +35,14 @@ pytestmark = pytest.mark.timeout(60)
          "HOROVOD_LOG_LEVEL=fatal read as RINGFLOW_LOG_LEVEL=error"),
         ({"HOROVOD_GLOO_TIMEOUT_SECONDS": "12"}, "timeout_s", 12.0,
          "HOROVOD_GLOO_TIMEOUT_SECONDS=12 read as RINGFLOW_TIMEOUT_S=12"),
+        ({"HOROVOD_AUTOTUNE": "1"}, "autotune", True,
+         "HOROVOD_AUTOTUNE=1 read as RINGFLOW_AUTOTUNE=1"),
+        ({"HOROVOD_AUTOTUNE_LOG": "/tmp/at.csv"}, "autotune_log_file", "/tmp/at.csv",
+         "HOROVOD_AUTOTUNE_LOG=/tmp/at.csv read as RINGFLOW_AUTOTUNE_LOG_FILE=/tmp/at.csv"),
+        ({"HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "8"}, "autotune_steps_per_sample", 8,
+         "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE=8 read as RINGFLOW_AUTOTUNE_STEPS_PER_SAMPLE=8"),
+        ({"HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1"}, "autotune_warmup_samples", 1,
+         "HOROVOD_AUTOTUNE_WARMUP_SAMPLES=1 read as RINGFLOW_AUTOTUNE_WARMUP_SAMPLES=1"),
     ],
 )
 def test_each_horovod_variable_is_read_with_a_warning(caplog, horovod, field, expected, line):
@@ -83,7 +91,7 @@ def test_an_explicit_ringflow_variable_wins_and_the_horovod_one_is_logged_at_inf
     [
         ("HOROVOD_HIERARCHICAL_ALLREDUCE", "ringflow picks the hierarchical allreduce itself"),
         ("HOROVOD_HIERARCHICAL_ALLGATHER", "no hierarchical variant"),
-        ("HOROVOD_AUTOTUNE", "ringflow has no autotuner"),
+        ("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "not Bayesian optimisation"),
         ("HOROVOD_TIMELINE_MARK_CYCLES", "ringflow has no cycles to mark"),
     ],
 )
@@ -99,7 +107,8 @@ def test_horovod_knobs_without_a_ringflow_meaning_say_why(caplog, name, fragment
 
 def test_workers_of_ringflow_run_log_the_notes_at_info(caplog):
     """ringflow-run reports them once; its workers would say the same thing once per rank."""
-    env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_CACHE_CAPACITY": "5", "RINGFLOW_LAUNCHER_PID": "1"}
+    env = {"HOROVOD_HIERARCHICAL_ALLGATHER": "1", "HOROVOD_CACHE_CAPACITY": "5",
+           "RINGFLOW_LAUNCHER_PID": "1"}
     with caplog.at_level(logging.INFO, logger="ringflow.config"):
         assert Config.from_env(env).cache_capacity == 5
     assert len(caplog.records) == 2
@@ -131,3 +140,14 @@ def test_bad_horovod_values_name_the_horovod_variable(env, fragment):
 def test_ringflow_range_errors_still_name_the_ringflow_variable():
     with pytest.raises(ConfigError, match=r"^RINGFLOW_CYCLE_TIME_MS=0\.0 is out of range"):
         Config.from_env({"RINGFLOW_CYCLE_TIME_MS": "0", "HOROVOD_CACHE_CAPACITY": "3"})
+
+
+def test_switches_and_the_wire_formats_are_checked():
+    assert Config.from_env({"RINGFLOW_AUTOTUNE": "on"}).autotune is True
+    assert Config.from_env({"RINGFLOW_AUTOTUNE": "0"}).autotune is False
+    with pytest.raises(ConfigError, match="RINGFLOW_AUTOTUNE='maybe' is not one of"):
+        Config.from_env({"RINGFLOW_AUTOTUNE": "maybe"})
+    with pytest.raises(ConfigError, match="RINGFLOW_WIRE_COMPRESSION='fp8' is out of range"):
+        Config.from_env({"RINGFLOW_WIRE_COMPRESSION": "fp8"})
+    with pytest.raises(ConfigError, match="RINGFLOW_CHUNK_BYTES=100 is out of range"):
+        Config.from_env({"RINGFLOW_CHUNK_BYTES": "100"})

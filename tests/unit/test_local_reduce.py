@@ -81,3 +81,69 @@ def test_scaled_integer_sum_wraps_as_on_the_ring(monkeypatch, dtype, stream) -> 
     assert dst.tobytes() == acc.tobytes()
     wrapped = np.add.reduce(np.stack(parts), axis=0, dtype=dtype)
     assert dst.tobytes() == np.trunc(wrapped.astype(np.float64) / n).astype(dtype).tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.PRODUCT])
+@pytest.mark.parametrize("into", ["fresh", "part1", "mirror"])
+def test_16_bit_reductions_through_a_framework_kernel_keep_numpys_bits(monkeypatch, dtype, op,
+                                                                       into) -> None:
+    """With torch imported the 16-bit blocks are widened and narrowed by its kernel
+    (ringflow.devices.casts): the bits must be numpy's, NaNs, infinities and subnormals too."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(local, "WIDE_BLOCK", 5000)  # several blocks, each above MIN_ELEMENTS
+    rng = np.random.default_rng(11)
+    length, lo, hi = 23_001, 7, 22_990
+    parts = []
+    for k in range(3):
+        bits = rng.integers(0, 1 << 16, length, dtype=np.uint16)  # every pattern, NaNs included
+        part = bits.view(np.float16) if dtype == np.float16 else bits.view(BFLOAT16)
+        parts.append(np.where(rng.random(length) < 0.5,
+                              (rng.standard_normal(length) * 10 ** k).astype(dtype), part))
+    want = reference([p[lo:hi] for p in parts], op, 0.75)
+    mirror = np.zeros(length, dtype) if into == "mirror" else None
+    dst = parts[1] if into == "part1" else np.zeros(length, dtype)
+    reduce_parts(parts, lo, hi, dst, op, 0.75, mirror)
+    assert dst[lo:hi].view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+    if mirror is not None:
+        assert mirror[lo:hi].view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
+def test_the_rings_16_bit_combine_keeps_numpys_bits(dtype) -> None:
+    pytest.importorskip("torch")
+    from ringflow.algorithms.reduction import Reduction
+
+    rng = np.random.default_rng(3)
+    n = 20_000
+    acc0 = np.where(rng.random(n) < 0.3, rng.integers(0, 1 << 16, n, dtype=np.uint16).view(
+        np.float16).astype(dtype), (rng.standard_normal(n) * 1e3).astype(dtype))
+    got = (rng.standard_normal(n) * 1e3).astype(dtype)
+    red = Reduction(np.dtype(dtype), ReduceOp.AVERAGE, 1.0, 3, "t")
+    scratch = red.scratch(n)
+    acc = acc0.copy()
+    red.combine(acc, got, scratch)
+    want = np.add(acc0, got, dtype=np.float32).astype(dtype)
+    assert acc.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+    acc = acc0.copy()
+    red.finish(acc, got, scratch)
+    want = (np.add(acc0, got, dtype=np.float32) * np.float32(red.factor)).astype(dtype)
+    assert acc.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
+def test_the_rings_16_bit_prescale_keeps_numpys_bits(dtype) -> None:
+    pytest.importorskip("torch")
+    from ringflow.algorithms.reduction import Reduction
+
+    rng = np.random.default_rng(4)
+    n = 3 * 4096 + 17
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)  # every kind of value, subnormals too
+    flat = bits.view(np.float16).astype(dtype) if dtype == np.float16 else bits.view(BFLOAT16)
+    red = Reduction(np.dtype(dtype), ReduceOp.SUM, 1.0, 3, "t")
+    red.prescale = 1 / 3  # not exact in 16 bits: numpy rounds the factor first
+    want = flat.copy()
+    np.multiply(want, red.prescale, out=want)
+    got = flat.copy()
+    red.prescale_inplace(got)
+    assert got.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
