@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import records
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pytorch_synthetic_benchmark.py"
 sys.path.insert(0, str(ROOT))
@@ -287,6 +289,12 @@ def main() -> None:
             result = run(args, c)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    records.append("autotune_grid", {
+        "model": args.model, "where": "loopback" if not args.hosts else f"2 hosts {args.rate}",
+        "compression": args.compression, "grid_size": len(result["grid"]),
+        "tune_steps": args.tune_steps, "settled": result["settled"],
+        "chosen_vs_best": result["chosen_vs_best"],
+        "chosen_vs_defaults": result["chosen_vs_defaults"]})
 
 
 if __name__ == "__main__":

@@ -83,11 +83,21 @@ def _hosts(f: dict[str, Any]) -> str:
             f"of the ring bound; gloo {_join(gloo, '.2f')})")
 
 
-def _training(model: str, ours: str, theirs: str) -> Callable[[dict[str, Any]], str]:
+def _training(peer: str) -> Callable[[dict[str, Any]], str]:
+    """The median of the per-round ratios to DDP on gloo, per model (MLP / CNN)."""
     def figure(f: dict[str, Any]) -> str:
-        m = f["models"][model]
-        return _x(m[ours], m[theirs])
+        return " / ".join(f"{f['models'][m]['ratio'][peer]:.2f}x" for m in ("mlp", "cnn"))
     return figure
+
+
+def _horovod_script(f: dict[str, Any]) -> str:
+    return f"{f['models']['horovod_script']['ratio']['ringflow']:.2f}x"
+
+
+def _autotune(f: dict[str, Any]) -> str:
+    return (f"{f['chosen_vs_best']:.2f}x the grid's best of {f['grid_size']}, "
+            f"{f['chosen_vs_defaults']:.2f}x the defaults (chose at step {f['settled']} "
+            f"of {f['tune_steps']})")
 
 
 def _casts(f: dict[str, Any]) -> str:
@@ -108,15 +118,24 @@ ROWS = (
         "(`benchmarks/lane_floor.py`)", "lane_floor", _floor),
     Row("64 MiB allreduce over namespace hosts at 1 Gbit/s, ringflow vs gloo "
         "(`sudo python benchmarks/multihost.py`)", "multihost", _hosts),
-    Row("MLP (25 M params), ringflow's DistributedOptimizer vs DDP on gloo "
-        "(`benchmarks/torch_ddp_vs_ringflow.py`)", "torch_ddp_vs_ringflow",
-        _training("mlp", "ringflow", "ddp")),
-    Row("small CNN (0.4 M params), the same", "torch_ddp_vs_ringflow",
-        _training("cnn", "ringflow", "ddp")),
-    Row("MLP, DDP on backend `\"ringflow\"` vs DDP on gloo (the backend's name changed)",
-        "torch_ddp_vs_ringflow", _training("mlp", "ddp_ringflow", "ddp")),
-    Row("small CNN, DDP on `\"ringflow\"` vs DDP on gloo", "torch_ddp_vs_ringflow",
-        _training("cnn", "ddp_ringflow", "ddp")),
+    Row("25 M MLP / small CNN training, ringflow's DistributedOptimizer vs DDP on gloo, "
+        "no thread setting in the script, each launcher's defaults "
+        "(`benchmarks/torch_ddp_vs_ringflow.py --threads launcher`)", "torch_ddp_vs_ringflow",
+        _training("ringflow"), (("threads", "launcher"), ("horovod_script", False))),
+    Row("the same, DDP on backend `\"ringflow\"` vs DDP on gloo (the backend's name changed)",
+        "torch_ddp_vs_ringflow", _training("ddp_ringflow"),
+        (("threads", "launcher"), ("horovod_script", False))),
+    Row("25 M MLP / small CNN training, `torch.set_num_threads(1)` in the script "
+        "(`--threads script`)", "torch_ddp_vs_ringflow", _training("ringflow"),
+        (("threads", "script"), ("horovod_script", False))),
+    Row("Horovod's `pytorch_synthetic_benchmark.py` (import changed) under ringflow-run vs "
+        "DDP under torchrun (`--horovod-script`)", "torch_ddp_vs_ringflow", _horovod_script,
+        (("horovod_script", True),)),
+    Row("Autotune on the 25 M MLP, 2 ranks on loopback (`benchmarks/autotune_grid.py`)",
+        "autotune_grid", _autotune, (("where", "loopback"),)),
+    Row("Autotune, the same on 2 namespace hosts at 1 Gbit/s "
+        "(`sudo python benchmarks/autotune_grid.py --hosts 2`)", "autotune_grid", _autotune,
+        (("where", "2 hosts 1gbit"),)),
     Row("fp16 compression of a 100 MB torch gradient (`benchmarks/cast_cost.py`)", "cast_cost",
         _casts, (("framework", "torch"),)),
 )

@@ -52,6 +52,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import records
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pytorch_synthetic_benchmark.py"
 SHIMS = Path(__file__).resolve().parent / "shims"
@@ -300,6 +302,18 @@ def main() -> None:
                   f"({', '.join(f'{r:.2f}' for r in per)}) |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    # the record (benchmarks/records.py): per model (or "horovod_script"), each peer's median
+    # samples/s and the median of its per-round ratios to DDP on gloo
+    figures: dict[str, Any] = {"threads": args.threads, "rounds": args.rounds,
+                               "batch_size": args.batch_size, "models": {},
+                               "horovod_script": args.horovod_script is not None}
+    for res, key in zip(results, ["horovod_script"] if args.horovod_script else args.models,
+                        strict=True):
+        figures["models"][key] = {
+            **{peer.replace("-", "_"): m for peer, m in res["medians"].items()},
+            "ratio": {peer.replace("-", "_"): statistics.median(per)
+                      for peer, per in res["ratios"].items()}}
+    records.append("torch_ddp_vs_ringflow", figures)
 
 
 if __name__ == "__main__":

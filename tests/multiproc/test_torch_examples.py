@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -45,10 +46,14 @@ def test_synthetic_benchmark_reports_per_rank_and_total() -> None:
     assert "Total img/sec on 2 rank(s)" in out, out
 
 
-def test_ddp_comparison_runs_in_one_go() -> None:
+def test_ddp_comparison_runs_in_one_go(tmp_path: Path, monkeypatch) -> None:
+    records = tmp_path / "records.jsonl"  # not the repository's records
+    monkeypatch.setitem(ENV, "BENCH_RECORDS", str(records))
     out = run([sys.executable, "benchmarks/torch_ddp_vs_ringflow.py", "--models", "cnn",
                "--batch-size", "8", "--num-iters", "1", "--num-batches-per-iter", "1",
                "--ddp-rounds", "1"],
               timeout=200)
     assert re.search(r"ringflow / DDP: [0-9.]+x", out), out
     assert re.search(r"DDP\(ringflow\) / DDP\(gloo\): [0-9.]+x", out), out
+    figures = json.loads(records.read_text())["figures"]
+    assert set(figures["models"]["cnn"]["ratio"]) == {"ringflow", "ddp_ringflow"}
