@@ -1,0 +1,93 @@
+"""An elastic worker for tests/multiproc/test_elastic.py: numpy only, exact integer arithmetic.
+
+Each step, every rank takes its next sample ``i`` of the epoch (:func:`ringflow.elastic.shard`;
+none once its shard is used up) and contributes ``i + 1``; the step's sum ``s`` (an int64
+allreduce) updates ``w = (3 w + s) mod P``, so the final ``w`` depends on which samples each step
+took, in which order: a replay from the schedule of sizes must reach it bit for bit. The state
+(``w``, epoch, processed samples, step) is committed after every step.
+
+Environment: ``OUT`` (a folder), ``LENGTH``, ``EPOCHS``, ``SLEEP`` (seconds a step),
+``KILL=HOST:STEP`` (the worker on HOST SIGKILLs itself in the middle of that step; with
+``KILL_SLOT=N`` only the one in slot N of HOST),
+``GROW=PATH:STEP:LINE`` (rank 0 appends LINE to PATH, the discovery list, at that step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import ringflow as rf
+from ringflow import elastic
+
+P = 1_000_003
+SEED = 11
+OUT = os.environ["OUT"]
+LENGTH, EPOCHS = int(os.environ["LENGTH"]), int(os.environ["EPOCHS"])
+SLEEP = float(os.environ.get("SLEEP", "0"))
+WID = os.environ["RINGFLOW_ELASTIC_ID"]
+HOST = os.environ["RINGFLOW_HOSTNAME"]
+KILL = os.environ.get("KILL", "")
+KILL_SLOT, SLOT = os.environ.get("KILL_SLOT", ""), os.environ["RINGFLOW_LOCAL_RANK"]
+GROW = os.environ.get("GROW", "")
+
+
+def record(**fields: object) -> None:
+    with open(os.path.join(OUT, f"steps-{WID}.jsonl"), "a") as f:
+        f.write(json.dumps(fields) + "\n")
+
+
+@elastic.run
+def train(state: elastic.ObjectState) -> int:
+    g = rf.runtime.world().generation
+    while state.epoch < EPOCHS:
+        mine = elastic.shard(LENGTH, state.epoch, SEED, True, state.processed, rf.rank(),
+                             rf.size())
+        k = 0
+        while state.processed < LENGTH:
+            sample = mine[k] if k < len(mine) else -1
+            handle = rf.allreduce_async(np.array([sample + 1], np.int64), name="step",
+                                        op=rf.Sum)
+            if f"{HOST}:{state.step}" == KILL and KILL_SLOT in ("", SLOT):
+                os.kill(os.getpid(), signal.SIGKILL)
+            total = int(rf.synchronize(handle)[0])
+            state.w = (state.w * 3 + total) % P
+            record(gen=g, rank=rf.rank(), size=rf.size(), step=state.step, epoch=state.epoch,
+                   processed=state.processed, sample=sample)
+            state.processed = min(LENGTH, state.processed + rf.size())
+            state.step += 1
+            k += 1
+            if GROW and rf.rank() == 0:
+                path, step, line = GROW.split(":", 2)
+                if int(step) == state.step and line not in Path(path).read_text().split():
+                    with open(path, "a") as f:
+                        f.write(line + "\n")
+            time.sleep(SLEEP)
+            state.commit()
+        state.epoch += 1
+        state.processed = 0
+        state.commit()
+    return int(state.w)
+
+
+rf.init()
+w = train(elastic.ObjectState(w=7 if rf.rank() == 0 else -5, epoch=0, processed=0, step=0))
+final = {"w": w, "rank": rf.rank(), "size": rf.size(), "gen": rf.runtime.world().generation}
+rf.shutdown()
+# What the generations left behind once the last one is shut down: threads, descriptors (the
+# store connection stays), shared-memory names of this worker.
+end = time.monotonic() + 3.0  # a connection's last goodbye may still be on its way out
+while len(threading.enumerate()) > 2 and time.monotonic() < end:
+    time.sleep(0.01)
+final["threads"] = sorted(t.name for t in threading.enumerate())
+final["fds"] = len(os.listdir("/proc/self/fd"))
+final["shm"] = [n for n in os.listdir("/dev/shm")
+                if n.startswith(f"rfj{os.environ['RINGFLOW_JOB_ID']}_")]
+with open(os.path.join(OUT, f"final-{WID}.json"), "w") as f:
+    json.dump(final, f)
