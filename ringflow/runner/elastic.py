@@ -23,7 +23,8 @@ The loop (every 20 ms):
 4. While a generation runs, newcomers waiting to join, or a member's host leaving the list, set
    ``elastic/update``: the workers raise HostsUpdatedInterrupt at their next ``commit()``.
 
-The job ends when every worker has exited: code 0 if one finished (exit 0, not removed), else
+The job ends when every worker has exited, or once every member of the running generation
+has (newcomers still starting are stopped): code 0 if one finished (exit 0, not removed), else
 the first failure's. It fails at once, stopping every worker, when a generation has no live
 member left (the in-memory state is gone), past the reset limit, or below ``--min-np`` for
 longer than ``--elastic-timeout``; a member that does not ask within ``--elastic-timeout``
@@ -170,7 +171,7 @@ class _Driver:
         wid = len(self.workers)
         slots = max(self.hosts.get(host, 1), slot + 1)
         spec = WorkerSpec(wid, wid + 1, slot, slots, 0, 1, host)
-        env = {**self.base_env, "RINGFLOW_ELASTIC_ID": str(wid),
+        env = {**self.base_env, "HOROVOD_ELASTIC": "1", "RINGFLOW_ELASTIC_ID": str(wid),
                "RINGFLOW_ELASTIC_TIMEOUT_S": str(self.settings.elastic_timeout_s)}
         job = LocalJob(self.command, [spec], secret=self.secret,
                        rendezvous=(self.server.host, self.server.port),
@@ -187,7 +188,8 @@ class _Driver:
             self.members.append(wid)  # the first generation waits for every first worker
 
     def _wait(self, worker: _Worker) -> None:
-        self.exits.put((worker.id, worker.job.wait().exits[0].returncode))  # type: ignore[union-attr]
+        end = worker.job.wait().exits[0]  # None: stopped by this driver (job.stop)
+        self.exits.put((worker.id, -signal.SIGTERM if end is None else end.returncode))
 
     def _exited(self, wid: int, code: int) -> None:
         worker = self.workers[wid]
@@ -195,8 +197,8 @@ class _Driver:
         if code == 0:
             self.finished = self.finished or not worker.removed
             return
-        if self.stop_signal is not None:
-            return
+        if self.stop_signal is not None or self._closed.is_set():
+            return  # stopped by this driver
         count = self.failures[worker.host] = self.failures.get(worker.host, 0) + 1
         lo_hi = self.settings.cooldown
         wait = float("inf") if lo_hi is None else min(lo_hi[1], lo_hi[0] * 2 ** (count - 1))
@@ -232,7 +234,7 @@ class _Driver:
             w.asked = self.store.add(f"elastic/req/{w.id}", 0)
         waiting = [w for w in live.values() if w.asked > w.answered]
         members = [m for m in self.members if m in live]
-        if self.generation >= 0 and not members:
+        if self.generation >= 0 and not members and not self.finished:
             return (f"every worker of generation {self.generation} is gone, and the training "
                     "state with them")
         gone = [m for m in members if live[m].host not in self.hosts]
@@ -303,6 +305,8 @@ class _Driver:
                         break
                 if self.workers and not any(w.live for w in self.workers.values()):
                     break
+                if self.finished and not any(self.workers[m].live for m in self.members):
+                    break  # the training is over: newcomers that never joined are stopped
                 self._fill(now)
                 failure = self._form(now)
                 if failure is not None:

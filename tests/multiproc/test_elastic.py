@@ -25,11 +25,12 @@ pytestmark = pytest.mark.timeout(150)
 
 ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
 WORKER = str(Path(__file__).parent / "elastic_workers" / "steps.py")
+TORCH_WORKER = str(Path(__file__).parent / "elastic_workers" / "torch_steps.py")
 P, SEED = 1_000_003, 11
 
 
-def elastic_run(tmp_path: Path, hosts: list[str], *flags: str, **env: str
-                ) -> subprocess.CompletedProcess[str]:
+def elastic_run(tmp_path: Path, hosts: list[str], *flags: str, worker: str = WORKER,
+                **env: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "hosts").write_text("".join(h + "\n" for h in hosts))
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
@@ -39,7 +40,7 @@ def elastic_run(tmp_path: Path, hosts: list[str], *flags: str, **env: str
             **env}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ringflow.runner", "--host-discovery-script", str(script),
-         "--elastic-timeout", "60", *flags, sys.executable, WORKER],
+         "--elastic-timeout", "60", *flags, sys.executable, worker],
         env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:
@@ -65,6 +66,20 @@ def schedule(tmp_path: Path) -> list[tuple[int, int, int]]:
                 assert (rec["size"], rec["processed"]) == (old["size"], old["processed"])
     assert sorted(steps) == list(range(len(steps))), "a step is missing from every log"
     return [(steps[s]["epoch"], steps[s]["processed"], steps[s]["size"]) for s in sorted(steps)]
+
+
+def samples_per_epoch(tmp_path: Path) -> dict[int, list[int]]:
+    """The samples of the committed steps (each step's latest generation), per epoch."""
+    latest: dict[int, int] = {}
+    records = [json.loads(line) for path in tmp_path.glob("steps-*.jsonl")
+               for line in path.read_text().splitlines()]
+    for rec in records:
+        latest[rec["step"]] = max(latest.get(rec["step"], -1), rec["gen"])
+    seen: dict[int, list[int]] = {}
+    for rec in records:
+        if rec["gen"] == latest[rec["step"]] and rec["sample"] >= 0:
+            seen.setdefault(rec["epoch"], []).append(rec["sample"])
+    return seen
 
 
 def replay(plan: list[tuple[int, int, int]], length: int = 12, epochs: int = 2) -> int:
@@ -134,11 +149,52 @@ def test_added_host_joins_and_receives_the_state_from_its_peers(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = schedule(tmp_path)
     sizes = [size for _, _, size in plan]
-    grown = sizes.index(3)
-    assert grown >= 3 and set(sizes[:grown]) == {2} and set(sizes[grown:]) == {3}, sizes
+    assert sizes[:3] == [2] * 3 and set(sizes[3:]) == {3}, sizes
     ends = finals(tmp_path)
     assert len(ends) == 3 and {e["size"] for e in ends} == {3}
     # The newcomer started with w = -5 (steps.py); it has rank 2 and the others' model.
     assert {e["w"] for e in ends} == {replay(plan, epochs=3)}
     nothing_leaked(ends)  # two generations (the first workers) or one (the newcomer) alike
     no_workers_left(tmp_path)
+
+
+def _torch() -> None:
+    pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("grow", [False, True], ids=["kill", "add"])
+def test_torch_state_model_optimizer_and_sampler_move_between_generations(tmp_path, grow):
+    _torch()
+    if grow:
+        proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "2", "--max-np", "3",
+                           worker=TORCH_WORKER, GROW=f"{tmp_path / 'hosts'}:3:{NAMES[2]}",
+                           SLEEP="0.1", EPOCHS="3")
+    else:
+        proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3",
+                           worker=TORCH_WORKER, KILL=f"{NAMES[1]}:5", SLEEP="0.02")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ends = finals(tmp_path)
+    assert len(ends) == (3 if grow else 2)
+    assert {e["size"] for e in ends} == {len(ends)}
+    # Parameters and momentum equal on every rank, bit for bit (the newcomer's included).
+    assert len({(tuple(e["params"]), tuple(e["momentum"])) for e in ends}) == 1
+    seen = samples_per_epoch(tmp_path)
+    epochs = 3 if grow else 2
+    assert {e: sorted(v) for e, v in seen.items()} == {e: list(range(12)) for e in range(epochs)}
+    sizes = [rec[2] for rec in schedule(tmp_path)]
+    if grow:
+        assert sizes[:3] == [2] * 3 and set(sizes[3:]) == {3}, sizes
+    else:  # step 5 may complete at size 3 (see the numpy test)
+        assert sizes[:5] == [3] * 5 and sizes[5] in (2, 3) and set(sizes[6:]) == {2}, sizes
+    no_workers_left(tmp_path)
+
+
+def test_example_runs_elastic(tmp_path):
+    """examples/elastic_torch.py, as docs/guides/elastic.md runs it."""
+    _torch()
+    example = str(Path(ROOT) / "examples" / "elastic_torch.py")
+    proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "2", "--max-np", "2", worker=example,
+                       EPOCHS="2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split(" on ")[1] for line in proc.stdout.splitlines()
+            if "epoch" in line] == ["2 workers"] * 2, proc.stdout

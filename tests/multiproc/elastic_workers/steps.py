@@ -9,7 +9,8 @@ took, in which order: a replay from the schedule of sizes must reach it bit for 
 Environment: ``OUT`` (a folder), ``LENGTH``, ``EPOCHS``, ``SLEEP`` (seconds a step),
 ``KILL=HOST:STEP`` (the worker on HOST SIGKILLs itself in the middle of that step; with
 ``KILL_SLOT=N`` only the one in slot N of HOST),
-``GROW=PATH:STEP:LINE`` (rank 0 appends LINE to PATH, the discovery list, at that step).
+``GROW=PATH:STEP:LINE`` (rank 0 appends LINE to PATH, the discovery list, after that step and waits
+until the newcomer asks to join).
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ HOST = os.environ["RINGFLOW_HOSTNAME"]
 KILL = os.environ.get("KILL", "")
 KILL_SLOT, SLOT = os.environ.get("KILL_SLOT", ""), os.environ["RINGFLOW_LOCAL_RANK"]
 GROW = os.environ.get("GROW", "")
+
+
+def wait_for_newcomer() -> None:
+    """Rank 0, having listed a new host: hold the job (its peers wait in the next commit) until
+    the newcomer asks to join, so that the test knows the step at which the world grows."""
+    end = time.monotonic() + 60
+    while not rf.runtime.world().update_pending() and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def record(**fields: object) -> None:
@@ -68,6 +77,7 @@ def train(state: elastic.ObjectState) -> int:
                 if int(step) == state.step and line not in Path(path).read_text().split():
                     with open(path, "a") as f:
                         f.write(line + "\n")
+                    wait_for_newcomer()
             time.sleep(SLEEP)
             state.commit()
         state.epoch += 1
