@@ -148,6 +148,7 @@ class _Driver:
         self.waiting_since: float | None = None
         self.stop_signal: int | None = None
         self._closed = threading.Event()
+        self.started = time.monotonic()
 
     # discovery, on a thread of its own: a slow script must not delay the loop ---------------
     def _discover(self) -> None:
@@ -229,6 +230,10 @@ class _Driver:
     def _form(self, now: float) -> str | None:
         """Answer the waiting workers with a new generation when its time has come; the reason
         the job must fail, if it must."""
+        if self.generation < 0 and now - self.started > self.settings.elastic_timeout_s:
+            return (f"no first generation of at least --min-np {self.settings.min_np} workers "
+                    f"within --elastic-timeout {self.settings.elastic_timeout_s:.0f} s (workers "
+                    f"started: {len(self.workers)}); check the discovery script's output")
         live = {wid: w for wid, w in self.workers.items() if w.live}
         for w in live.values():
             w.asked = self.store.add(f"elastic/req/{w.id}", 0)

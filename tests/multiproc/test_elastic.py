@@ -36,6 +36,7 @@ def elastic_run(tmp_path: Path, hosts: list[str], *flags: str, worker: str = WOR
     script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     script.chmod(0o755)
     full = {**os.environ, "OUT": str(tmp_path), "LENGTH": "12", "EPOCHS": "2",
+            "HOSTS": str(tmp_path / "hosts"),
             "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
             **env}
     proc = subprocess.Popen(
@@ -145,7 +146,7 @@ def test_killed_worker_survivors_go_on_at_the_smaller_size(tmp_path, hosts, vict
 
 def test_added_host_joins_and_receives_the_state_from_its_peers(tmp_path):
     proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "2", "--max-np", "3",
-                       GROW=f"{tmp_path / 'hosts'}:3:{NAMES[2]}", SLEEP="0.1", EPOCHS="3")
+                       EDIT=f"3:+{NAMES[2]}", SLEEP="0.1", EPOCHS="3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = schedule(tmp_path)
     sizes = [size for _, _, size in plan]
@@ -155,6 +156,59 @@ def test_added_host_joins_and_receives_the_state_from_its_peers(tmp_path):
     # The newcomer started with w = -5 (steps.py); it has rank 2 and the others' model.
     assert {e["w"] for e in ends} == {replay(plan, epochs=3)}
     nothing_leaked(ends)  # two generations (the first workers) or one (the newcomer) alike
+    no_workers_left(tmp_path)
+
+
+def test_below_min_np_the_survivor_waits_for_a_newcomer(tmp_path):
+    """min-np 2 of 2: a worker dies (its host name blacklisted) and lists another name first;
+    the survivor waits below min-np until the newcomer joins and receives the state."""
+    proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "2", "--max-np", "2",
+                       KILL=f"{NAMES[1]}:5", KILL_ADDS=NAMES[2], SLEEP="0.02")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = schedule(tmp_path)
+    assert {size for _, _, size in plan} == {2}
+    ends = finals(tmp_path)
+    assert len(ends) == 2 and {e["w"] for e in ends} == {replay(plan)}
+    assert {e["gen"] for e in ends} == {1}
+    no_workers_left(tmp_path)
+
+
+def test_a_host_removed_from_the_list_leaves_gracefully(tmp_path):
+    proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3",
+                       EDIT=f"3:-{NAMES[2]}", SLEEP="0.05")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "blacklisted" not in proc.stderr
+    plan = schedule(tmp_path)
+    sizes = [size for _, _, size in plan]
+    assert sizes[:3] == [3] * 3 and set(sizes[3:]) == {2}, sizes
+    ends = finals(tmp_path)  # the removed worker exits 0 without finishing
+    assert len(ends) == 2 and {e["w"] for e in ends} == {replay(plan)}
+    no_workers_left(tmp_path)
+
+
+def test_a_worker_killed_during_the_sync_of_the_next_generation(tmp_path):
+    """Four workers; one dies at step 5, another as the next generation syncs: the third
+    generation (two workers) goes on from the last commit."""
+    hosts = ["localhost:2", NAMES[1], NAMES[2]]
+    proc = elastic_run(tmp_path, hosts, "--min-np", "2", "--max-np", "4",
+                       KILL=f"{NAMES[1]}:5", SYNC_KILL=f"{NAMES[2]}:1", SLEEP="0.02",
+                       LENGTH="32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = schedule(tmp_path)
+    sizes = [size for _, _, size in plan]
+    assert sizes[:5] == [4] * 5 and sizes[5] in (2, 4) and set(sizes[6:]) == {2}, sizes
+    ends = finals(tmp_path)
+    assert len(ends) == 2 and {e["w"] for e in ends} == {replay(plan, length=32)}
+    assert {e["gen"] for e in ends} == {2}
+    no_workers_left(tmp_path)
+
+
+def test_past_the_reset_limit_the_job_fails_and_says_why(tmp_path):
+    proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3", "--reset-limit", "0",
+                       KILL=f"{NAMES[1]}:5", SLEEP="0.02")
+    assert proc.returncode != 0
+    assert "ringflow-run: the job re-formed more than --reset-limit 0 times" in proc.stderr
+    assert not finals(tmp_path)
     no_workers_left(tmp_path)
 
 

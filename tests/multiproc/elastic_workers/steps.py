@@ -9,8 +9,10 @@ took, in which order: a replay from the schedule of sizes must reach it bit for 
 Environment: ``OUT`` (a folder), ``LENGTH``, ``EPOCHS``, ``SLEEP`` (seconds a step),
 ``KILL=HOST:STEP`` (the worker on HOST SIGKILLs itself in the middle of that step; with
 ``KILL_SLOT=N`` only the one in slot N of HOST),
-``GROW=PATH:STEP:LINE`` (rank 0 appends LINE to PATH, the discovery list, after that step and waits
-until the newcomer asks to join).
+``KILL_ADDS=LINE`` (the victim first appends LINE to the discovery list ``HOSTS``),
+``SYNC_KILL=HOST:GEN`` (the worker on HOST SIGKILLs itself as generation GEN syncs),
+``EDIT=STEP:+LINE`` or ``STEP:-LINE`` (rank 0 adds LINE to ``HOSTS``, or removes it, after that
+step, and holds the job until the driver asks it to re-form, so that the test knows the step).
 """
 
 from __future__ import annotations
@@ -36,12 +38,23 @@ WID = os.environ["RINGFLOW_ELASTIC_ID"]
 HOST = os.environ["RINGFLOW_HOSTNAME"]
 KILL = os.environ.get("KILL", "")
 KILL_SLOT, SLOT = os.environ.get("KILL_SLOT", ""), os.environ["RINGFLOW_LOCAL_RANK"]
-GROW = os.environ.get("GROW", "")
+EDIT, HOSTS = os.environ.get("EDIT", ""), os.environ.get("HOSTS", "")
+KILL_ADDS, SYNC_KILL = os.environ.get("KILL_ADDS", ""), os.environ.get("SYNC_KILL", "")
 
 
-def wait_for_newcomer() -> None:
-    """Rank 0, having listed a new host: hold the job (its peers wait in the next commit) until
-    the newcomer asks to join, so that the test knows the step at which the world grows."""
+def edit_hosts(step: int) -> None:
+    """Rank 0 at ``EDIT``'s step: change the list, then hold the job (its peers wait in the next
+    commit) until the driver asks it to re-form."""
+    at, change = EDIT.split(":", 1)
+    if int(at) != step:
+        return
+    lines = Path(HOSTS).read_text().split()
+    if change[0] == "+":
+        lines.append(change[1:])
+    else:
+        lines.remove(change[1:])
+    Path(HOSTS + ".new").write_text("".join(line + "\n" for line in lines))
+    os.replace(HOSTS + ".new", HOSTS)
     end = time.monotonic() + 60
     while not rf.runtime.world().update_pending() and time.monotonic() < end:
         time.sleep(0.05)
@@ -63,7 +76,10 @@ def train(state: elastic.ObjectState) -> int:
             sample = mine[k] if k < len(mine) else -1
             handle = rf.allreduce_async(np.array([sample + 1], np.int64), name="step",
                                         op=rf.Sum)
-            if f"{HOST}:{state.step}" == KILL and KILL_SLOT in ("", SLOT):
+            if KILL_SLOT in ("", SLOT) and f"{HOST}:{state.step}" == KILL:
+                if KILL_ADDS:
+                    with open(HOSTS, "a") as f:
+                        f.write(KILL_ADDS + "\n")
                 os.kill(os.getpid(), signal.SIGKILL)
             total = int(rf.synchronize(handle)[0])
             state.w = (state.w * 3 + total) % P
@@ -72,12 +88,8 @@ def train(state: elastic.ObjectState) -> int:
             state.processed = min(LENGTH, state.processed + rf.size())
             state.step += 1
             k += 1
-            if GROW and rf.rank() == 0:
-                path, step, line = GROW.split(":", 2)
-                if int(step) == state.step and line not in Path(path).read_text().split():
-                    with open(path, "a") as f:
-                        f.write(line + "\n")
-                    wait_for_newcomer()
+            if EDIT and rf.rank() == 0 and g == 0:
+                edit_hosts(state.step)
             time.sleep(SLEEP)
             state.commit()
         state.epoch += 1
@@ -86,8 +98,15 @@ def train(state: elastic.ObjectState) -> int:
     return int(state.w)
 
 
+class State(elastic.ObjectState):
+    def sync(self) -> None:
+        if f"{HOST}:{rf.runtime.world().generation}" == SYNC_KILL:
+            os.kill(os.getpid(), signal.SIGKILL)  # its peers are in the broadcast of sync()
+        super().sync()
+
+
 rf.init()
-w = train(elastic.ObjectState(w=7 if rf.rank() == 0 else -5, epoch=0, processed=0, step=0))
+w = train(State(w=7 if rf.rank() == 0 else -5, epoch=0, processed=0, step=0))
 final = {"w": w, "rank": rf.rank(), "size": rf.size(), "gen": rf.runtime.world().generation}
 rf.shutdown()
 # What the generations left behind once the last one is shut down: threads, descriptors (the
