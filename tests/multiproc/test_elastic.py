@@ -212,6 +212,31 @@ def test_past_the_reset_limit_the_job_fails_and_says_why(tmp_path):
     no_workers_left(tmp_path)
 
 
+#: Seeded schedules of SIGKILLs (RINGFLOW_CHAOS_RUNS to run more): one to three kills at
+#: random steps on one or two of the three names, a blacklisted name back after 1 s (its new
+#: worker joins, and may be killed again). One name is never killed, so the state survives.
+CHAOS_RUNS = int(os.environ.get("RINGFLOW_CHAOS_RUNS", "3"))
+
+
+@pytest.mark.parametrize("seed", range(CHAOS_RUNS))
+def test_chaos_schedule(tmp_path, seed):
+    rng = random.Random(seed)
+    victims = rng.sample(NAMES, rng.choice([1, 2]))
+    kills = [(h, rng.randint(1, 20)) for h in victims]
+    if rng.random() < 0.5:  # the respawned worker of the first victim dies too
+        kills.append((victims[0], kills[0][1] + rng.randint(4, 15)))
+    spec = ",".join(f"{h}:{s}" for h, s in kills)
+    proc = elastic_run(tmp_path, NAMES, "--min-np", "1", "--max-np", "3",
+                       "--blacklist-cooldown-range", "1", "1", KILL=spec, SLEEP="0.1",
+                       LENGTH="24", EPOCHS="3")
+    assert proc.returncode == 0, f"{spec}\n{proc.stderr[-3000:]}"
+    plan = schedule(tmp_path)
+    ends = finals(tmp_path)
+    assert ends and {e["w"] for e in ends} == {replay(plan, length=24, epochs=3)}, spec
+    nothing_leaked(ends)
+    no_workers_left(tmp_path)
+
+
 def _torch() -> None:
     pytest.importorskip("torch")
 

@@ -7,8 +7,8 @@ took, in which order: a replay from the schedule of sizes must reach it bit for 
 (``w``, epoch, processed samples, step) is committed after every step.
 
 Environment: ``OUT`` (a folder), ``LENGTH``, ``EPOCHS``, ``SLEEP`` (seconds a step),
-``KILL=HOST:STEP`` (the worker on HOST SIGKILLs itself in the middle of that step; with
-``KILL_SLOT=N`` only the one in slot N of HOST),
+``KILL=HOST:STEP,...`` (the worker on HOST SIGKILLs itself in the middle of that step; with
+``KILL_SLOT=N`` only the one in slot N of HOST; it records the time first, ``kill-*.json``),
 ``KILL_ADDS=LINE`` (the victim first appends LINE to the discovery list ``HOSTS``),
 ``SYNC_KILL=HOST:GEN`` (the worker on HOST SIGKILLs itself as generation GEN syncs),
 ``EDIT=STEP:+LINE`` or ``STEP:-LINE`` (rank 0 adds LINE to ``HOSTS``, or removes it, after that
@@ -36,7 +36,7 @@ LENGTH, EPOCHS = int(os.environ["LENGTH"]), int(os.environ["EPOCHS"])
 SLEEP = float(os.environ.get("SLEEP", "0"))
 WID = os.environ["RINGFLOW_ELASTIC_ID"]
 HOST = os.environ["RINGFLOW_HOSTNAME"]
-KILL = os.environ.get("KILL", "")
+KILL = os.environ.get("KILL", "").split(",")
 KILL_SLOT, SLOT = os.environ.get("KILL_SLOT", ""), os.environ["RINGFLOW_LOCAL_RANK"]
 EDIT, HOSTS = os.environ.get("EDIT", ""), os.environ.get("HOSTS", "")
 KILL_ADDS, SYNC_KILL = os.environ.get("KILL_ADDS", ""), os.environ.get("SYNC_KILL", "")
@@ -76,7 +76,9 @@ def train(state: elastic.ObjectState) -> int:
             sample = mine[k] if k < len(mine) else -1
             handle = rf.allreduce_async(np.array([sample + 1], np.int64), name="step",
                                         op=rf.Sum)
-            if KILL_SLOT in ("", SLOT) and f"{HOST}:{state.step}" == KILL:
+            if KILL_SLOT in ("", SLOT) and f"{HOST}:{state.step}" in KILL:
+                with open(os.path.join(OUT, f"kill-{WID}.json"), "w") as f:
+                    json.dump({"t": time.time(), "step": state.step}, f)
                 if KILL_ADDS:
                     with open(HOSTS, "a") as f:
                         f.write(KILL_ADDS + "\n")
@@ -84,6 +86,7 @@ def train(state: elastic.ObjectState) -> int:
             total = int(rf.synchronize(handle)[0])
             state.w = (state.w * 3 + total) % P
             record(gen=g, rank=rf.rank(), size=rf.size(), step=state.step, epoch=state.epoch,
+                   t=time.time(),
                    processed=state.processed, sample=sample)
             state.processed = min(LENGTH, state.processed + rf.size())
             state.step += 1
