@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(150)
 ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
 WORKER = str(Path(__file__).parent / "elastic_workers" / "steps.py")
 TORCH_WORKER = str(Path(__file__).parent / "elastic_workers" / "torch_steps.py")
+TF_WORKER = str(Path(__file__).parent / "elastic_workers" / "tf_steps.py")
 P, SEED = 1_000_003, 11
 
 
@@ -241,16 +242,21 @@ def _torch() -> None:
     pytest.importorskip("torch")
 
 
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 @pytest.mark.parametrize("grow", [False, True], ids=["kill", "add"])
-def test_torch_state_model_optimizer_and_sampler_move_between_generations(tmp_path, grow):
-    _torch()
+def test_framework_state_moves_between_generations(tmp_path, grow, framework):
+    """TorchState (model, DistributedOptimizer with momentum, ElasticSampler) and
+    TensorFlowKerasState (Keras model, Keras SGD with momentum: a newcomer's optimizer has no
+    variables before it is built)."""
+    pytest.importorskip(framework)
+    worker = TORCH_WORKER if framework == "torch" else TF_WORKER
     if grow:
         proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "2", "--max-np", "3",
-                           worker=TORCH_WORKER, GROW=f"{tmp_path / 'hosts'}:3:{NAMES[2]}",
-                           SLEEP="0.1", EPOCHS="3")
+                           worker=worker, GROW=f"{tmp_path / 'hosts'}:3:{NAMES[2]}",
+                           EDIT=f"3:+{NAMES[2]}", SLEEP="0.1", EPOCHS="3")
     else:
         proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3",
-                           worker=TORCH_WORKER, KILL=f"{NAMES[1]}:5", SLEEP="0.02")
+                           worker=worker, KILL=f"{NAMES[1]}:5", SLEEP="0.02")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ends = finals(tmp_path)
     assert len(ends) == (3 if grow else 2)
