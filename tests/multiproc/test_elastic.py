@@ -213,6 +213,27 @@ def test_past_the_reset_limit_the_job_fails_and_says_why(tmp_path):
     no_workers_left(tmp_path)
 
 
+def test_fifty_resets_leak_no_memory(tmp_path):
+    """The third name leaves and comes back every two steps: 50 generations (25 removals, 25
+    newcomers). The worker that lives through all of them grows by at most 5 MB of resident
+    memory after the first ten, and ends like the others (no thread, descriptor or name of an
+    old generation left)."""
+    toggles = ",".join(f"{s}:{'-' if k % 2 == 0 else '+'}{NAMES[2]}"
+                       for k, s in enumerate(range(2, 2 + 2 * 49, 2)))
+    proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3", EDIT=toggles,
+                       LENGTH="150", EPOCHS="2", SLEEP="0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = schedule(tmp_path)
+    ends = finals(tmp_path)
+    assert {e["w"] for e in ends} == {replay(plan, length=150)}
+    first = [json.loads(line) for line in (tmp_path / "rss-0.jsonl").read_text().splitlines()]
+    assert first[-1]["gen"] >= 49, first[-1]
+    by_gen = {r["gen"]: r["rss_kb"] for r in first}
+    assert by_gen[max(by_gen)] - by_gen[10] <= 5 * 1024, by_gen
+    nothing_leaked(ends)
+    no_workers_left(tmp_path)
+
+
 #: Seeded schedules of SIGKILLs (RINGFLOW_CHAOS_RUNS to run more): one to three kills at
 #: random steps on one or two of the three names, a blacklisted name back after 1 s (its new
 #: worker joins, and may be killed again). One name is never killed, so the state survives.

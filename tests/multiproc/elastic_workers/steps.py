@@ -11,8 +11,9 @@ Environment: ``OUT`` (a folder), ``LENGTH``, ``EPOCHS``, ``SLEEP`` (seconds a st
 ``KILL_SLOT=N`` only the one in slot N of HOST; it records the time first, ``kill-*.json``),
 ``KILL_ADDS=LINE`` (the victim first appends LINE to the discovery list ``HOSTS``),
 ``SYNC_KILL=HOST:GEN`` (the worker on HOST SIGKILLs itself as generation GEN syncs),
-``EDIT=STEP:+LINE`` or ``STEP:-LINE`` (rank 0 adds LINE to ``HOSTS``, or removes it, after that
+``EDIT=STEP:+LINE,STEP:-LINE,...`` (rank 0 adds LINE to ``HOSTS``, or removes it, after that
 step, and holds the job until the driver asks it to re-form, so that the test knows the step).
+Each worker records its resident memory at each generation it joins (``rss-*.jsonl``).
 """
 
 from __future__ import annotations
@@ -45,14 +46,16 @@ KILL_ADDS, SYNC_KILL = os.environ.get("KILL_ADDS", ""), os.environ.get("SYNC_KIL
 def edit_hosts(step: int) -> None:
     """Rank 0 at ``EDIT``'s step: change the list, then hold the job (its peers wait in the next
     commit) until the driver asks it to re-form."""
-    at, change = EDIT.split(":", 1)
-    if int(at) != step:
-        return
+    changes = [e.split(":", 1)[1] for e in EDIT.split(",") if int(e.split(":", 1)[0]) == step]
     lines = Path(HOSTS).read_text().split()
-    if change[0] == "+":
-        lines.append(change[1:])
-    else:
-        lines.remove(change[1:])
+    done = [c for c in changes if (c[1:] in lines) != (c[0] == "+")]  # not done before a redo
+    if not done:
+        return
+    for change in done:
+        if change[0] == "+":
+            lines.append(change[1:])
+        else:
+            lines.remove(change[1:])
     Path(HOSTS + ".new").write_text("".join(line + "\n" for line in lines))
     os.replace(HOSTS + ".new", HOSTS)
     end = time.monotonic() + 60
@@ -68,6 +71,10 @@ def record(**fields: object) -> None:
 @elastic.run
 def train(state: elastic.ObjectState) -> int:
     g = rf.runtime.world().generation
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    with open(os.path.join(OUT, f"rss-{WID}.jsonl"), "a") as f:
+        f.write(json.dumps({"gen": g, "rss_kb": rss}) + "\n")
     while state.epoch < EPOCHS:
         mine = elastic.shard(LENGTH, state.epoch, SEED, True, state.processed, rf.rank(),
                              rf.size())
@@ -91,7 +98,7 @@ def train(state: elastic.ObjectState) -> int:
             state.processed = min(LENGTH, state.processed + rf.size())
             state.step += 1
             k += 1
-            if EDIT and rf.rank() == 0 and g == 0:
+            if EDIT and rf.rank() == 0:
                 edit_hosts(state.step)
             time.sleep(SLEEP)
             state.commit()
