@@ -210,14 +210,15 @@ def _next_generation(config: Config) -> tuple[Any, RankInfo, str]:
             raise ConfigError(f"RINGFLOW_ELASTIC_ID={text!r} and RINGFLOW_ELASTIC_TIMEOUT_S="
                               f"{timeout!r} must be a number each; they come from ringflow-run "
                               "--min-np/--max-np: unset them outside such a job") from None
-        _world = World(connect(timeout=config.timeout_s), worker_id, timeout_s)
+        _world = World(connect(timeout=config.timeout_s), worker_id, timeout_s,
+                       config.timeout_s)
     answer = _world.join()
     if answer is None:
         log.info("this worker was removed from the elastic job (its host left the discovery "
                  "script's list); exiting with code 0")
         raise SystemExit(0)
     generation, info = answer
-    return _world.store, info, f"elastic{generation}/"
+    return _world.store_of(generation), info, f"elastic{generation}/"
 
 
 def world() -> Any:

@@ -19,6 +19,11 @@ Protocol (keys in the launcher's store, which outlives every generation; values 
 3. ``elastic/update`` = ``g``: generation ``g`` must re-form (workers wait to join, or a host
    left). ``State.commit()`` checks it on every rank and agrees through an allreduce (max).
 
+4. ``elastic/abort/<g>`` = 1: a member of generation ``g`` exited with an error. The engine of
+   ``g`` sees the store through :class:`GenerationStore`, whose waits for a key end at once with
+   PeerError then: a member that dies while the others connect costs them 0.1 s, not
+   ``RINGFLOW_TIMEOUT_S`` (measured before: 30 s).
+
 The driver answers a round of requests only when every live member of the running generation
 has asked (or exited). So a worker is placed in a generation only while it waits for one, and
 every member of a generation is there to connect to it: a generation never waits for a worker
@@ -29,12 +34,14 @@ plus the engine's connection setup.
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from .errors import ConfigError
+from .errors import ConfigError, PeerError, RingflowTimeoutError
 from .topology import RankInfo
 
-__all__ = ["Assignment", "World", "format_assignment", "parse_assignment"]
+__all__ = ["Assignment", "GenerationStore", "World", "format_assignment", "parse_assignment"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +49,11 @@ log = logging.getLogger(__name__)
 #: driver is gone (and the lifeline ends the worker anyway).
 ANSWER_MARGIN_S = 60.0
 
+#: How often a wait of a generation's engine for a key checks whether the generation is lost.
+ABORT_POLL_S = 0.1
+
 Assignment = tuple[int, RankInfo]
+_T = TypeVar("_T")
 
 
 def format_assignment(generation: int, info: RankInfo) -> bytes:
@@ -72,12 +83,15 @@ def parse_assignment(value: bytes) -> Assignment | None:
 
 
 class World:
-    """The generations one elastic worker lives through, over the launcher's ``store``."""
+    """The generations one elastic worker lives through, over the launcher's ``store``
+    (``default_timeout_s``: its waits' default, ``RINGFLOW_TIMEOUT_S``)."""
 
-    def __init__(self, store: Any, worker_id: int, timeout_s: float) -> None:
+    def __init__(self, store: Any, worker_id: int, timeout_s: float,
+                 default_timeout_s: float = 30.0) -> None:
         self.store = store
         self.id = worker_id
         self.timeout_s = timeout_s
+        self.default_timeout_s = default_timeout_s
         self.generation = -1  # the one joined last
         self._asked = 0
 
@@ -100,3 +114,59 @@ class World:
     def update_pending(self) -> bool:
         """Whether the driver asked the running generation to re-form."""
         return self.generation >= 0 and self.store.add("elastic/update", 0) >= self.generation
+
+    def store_of(self, generation: int) -> GenerationStore:
+        """The store as the engine of ``generation`` is to see it."""
+        return GenerationStore(self.store, generation, self.default_timeout_s)
+
+
+class GenerationStore:
+    """The launcher's store for the engine of one generation: the same keys, but a wait for a
+    key ends with PeerError as soon as the driver says the generation lost a member
+    (``elastic/abort/<g>``), checked every :data:`ABORT_POLL_S`. ``close()`` leaves the
+    launcher's store open (the next generation uses it)."""
+
+    def __init__(self, store: Any, generation: int, default_timeout_s: float) -> None:
+        self._store = store
+        self.generation = generation
+        self._default = default_timeout_s
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._store.add(key, amount))
+
+    def delete(self, key: str) -> bool:
+        return bool(self._store.delete(key))
+
+    def close(self) -> None:
+        pass
+
+    def local_address(self) -> str:  # the TCP transport binds where the store is reached
+        return str(self._store.local_address())
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        return self._waiting(lambda t: self._store.get(key, timeout=t), [key], timeout)
+
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        self._waiting(lambda t: self._store.wait(keys, timeout=t), list(keys), timeout)
+
+    def _waiting(self, call: Callable[[float], _T], keys: list[str],
+                 timeout: float | None) -> _T:
+        total = self._default if timeout is None else timeout
+        end = time.monotonic() + total
+        while True:
+            try:
+                return call(max(0.0, min(ABORT_POLL_S, end - time.monotonic())))
+            except RingflowTimeoutError:
+                if self._store.add(f"elastic/abort/{self.generation}", 0) > 0:
+                    raise PeerError(
+                        f"generation {self.generation} of the elastic job lost a worker (the "
+                        f"driver saw it exit) while this rank waited for {keys[0]!r}"
+                        ) from None
+                if time.monotonic() >= end:
+                    raise RingflowTimeoutError(
+                        f"store key {keys[0]!r} was not set within {total:g} s; the process "
+                        "that sets it may have failed (see its log) or needs longer: raise "
+                        "RINGFLOW_TIMEOUT_S") from None

@@ -200,6 +200,9 @@ class _Driver:
             return
         if self.stop_signal is not None or self._closed.is_set():
             return  # stopped by this driver
+        if wid in self.members and self.generation >= 0:
+            # Its peers may wait for its keys while they connect: end their wait now.
+            self.store.set(f"elastic/abort/{self.generation}", b"1")
         count = self.failures[worker.host] = self.failures.get(worker.host, 0) + 1
         lo_hi = self.settings.cooldown
         wait = float("inf") if lo_hi is None else min(lo_hi[1], lo_hi[0] * 2 ** (count - 1))

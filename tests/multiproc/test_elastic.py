@@ -204,6 +204,23 @@ def test_a_worker_killed_during_the_sync_of_the_next_generation(tmp_path):
     no_workers_left(tmp_path)
 
 
+def test_a_worker_killed_as_the_next_generation_connects(tmp_path):
+    """One dies at step 3; another as it receives its place in the next generation, before it
+    connects: the others stop waiting for it when the driver sees it exit (not after
+    RINGFLOW_TIMEOUT_S) and form a third generation."""
+    hosts = ["localhost:2", NAMES[1], NAMES[2]]
+    proc = elastic_run(tmp_path, hosts, "--min-np", "2", "--max-np", "4", KILL=f"{NAMES[1]}:3",
+                       JOIN_KILL=f"{NAMES[2]}:1", SLEEP="0.02", LENGTH="32",
+                       RINGFLOW_TIMEOUT_S="100")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "generation 1 of the elastic job lost a worker (the driver saw it exit)" in proc.stderr
+    plan = schedule(tmp_path)
+    ends = finals(tmp_path)
+    assert len(ends) == 2 and {e["w"] for e in ends} == {replay(plan, length=32)}
+    assert {e["gen"] for e in ends} == {2}
+    no_workers_left(tmp_path)
+
+
 def test_past_the_reset_limit_the_job_fails_and_says_why(tmp_path):
     proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3", "--reset-limit", "0",
                        KILL=f"{NAMES[1]}:5", SLEEP="0.02")

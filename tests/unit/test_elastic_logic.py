@@ -6,11 +6,18 @@ Real processes: tests/multiproc/test_elastic.py."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
 from ringflow.elastic import ObjectState, run_fn, shard
-from ringflow.errors import ConfigError, HostsUpdatedInterrupt, LaunchError, PeerError
+from ringflow.errors import (
+    ConfigError,
+    HostsUpdatedInterrupt,
+    LaunchError,
+    PeerError,
+    RingflowTimeoutError,
+)
 from ringflow.rendezvous import MemoryStore
 from ringflow.runner.elastic import discover
 from ringflow.topology import RankInfo
@@ -41,6 +48,20 @@ def test_world_asks_and_waits_for_its_answer():
     store.set("elastic/resp/7/2", b"removed")
     assert world.join() is None
     assert store.get("elastic/req/7") == b"2"
+
+
+def test_a_generation_stores_wait_ends_when_the_driver_says_it_lost_a_member():
+    store = MemoryStore(timeout=5)
+    gen = World(store, 0, timeout_s=1, default_timeout_s=0.3).store_of(2)
+    store.set("elastic2/x", b"1")
+    assert gen.get("elastic2/x") == b"1"
+    with pytest.raises(RingflowTimeoutError, match=r"'elastic2/y' was not set within 0\.3 s"):
+        gen.get("elastic2/y")
+    store.set("elastic/abort/2", b"1")
+    start = time.monotonic()
+    with pytest.raises(PeerError, match="generation 2 of the elastic job lost a worker"):
+        gen.wait(["elastic2/y"], timeout=30)
+    assert time.monotonic() - start < 5  # one poll, not the 30 s asked for
 
 
 @pytest.mark.parametrize("length", [0, 1, 12, 101])

@@ -11,6 +11,7 @@ Environment: ``OUT`` (a folder), ``LENGTH``, ``EPOCHS``, ``SLEEP`` (seconds a st
 ``KILL_SLOT=N`` only the one in slot N of HOST; it records the time first, ``kill-*.json``),
 ``KILL_ADDS=LINE`` (the victim first appends LINE to the discovery list ``HOSTS``),
 ``SYNC_KILL=HOST:GEN`` (the worker on HOST SIGKILLs itself as generation GEN syncs),
+``JOIN_KILL=HOST:GEN`` (... as it receives its place in generation GEN, before it connects),
 ``EDIT=STEP:+LINE,STEP:-LINE,...`` (rank 0 adds LINE to ``HOSTS``, or removes it, after that
 step, and holds the job until the driver asks it to re-form, so that the test knows the step).
 Each worker records its resident memory at each generation it joins (``rss-*.jsonl``).
@@ -114,6 +115,19 @@ class State(elastic.ObjectState):
             os.kill(os.getpid(), signal.SIGKILL)  # its peers are in the broadcast of sync()
         super().sync()
 
+
+if os.environ.get("JOIN_KILL"):  # HOST:GEN: die between the answer and the connections
+    from ringflow.world import World
+
+    joined = World.join
+
+    def join_then_die(self: World) -> object:
+        answer = joined(self)
+        if answer is not None and f"{HOST}:{answer[0]}" == os.environ["JOIN_KILL"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return answer
+
+    World.join = join_then_die  # type: ignore[method-assign]
 
 rf.init()
 w = train(State(w=7 if rf.rank() == 0 else -5, epoch=0, processed=0, step=0))
