@@ -221,6 +221,20 @@ def test_a_worker_killed_as_the_next_generation_connects(tmp_path):
     no_workers_left(tmp_path)
 
 
+def test_a_frozen_worker_is_left_behind(tmp_path):
+    """A worker SIGSTOPs itself: its peers find it silent (RINGFLOW_TIMEOUT_S) and ask for a new
+    generation; the driver stops it after --elastic-timeout and the survivors go on."""
+    proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3", "--elastic-timeout",
+                       "3", STOP=f"{NAMES[1]}:4", SLEEP="0.02", RINGFLOW_TIMEOUT_S="3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stopping workers [1]: they did not leave generation 0 within --elastic-timeout" \
+        in proc.stderr
+    plan = schedule(tmp_path)
+    ends = finals(tmp_path)
+    assert len(ends) == 2 and {e["w"] for e in ends} == {replay(plan)}
+    no_workers_left(tmp_path)
+
+
 def test_past_the_reset_limit_the_job_fails_and_says_why(tmp_path):
     proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3", "--reset-limit", "0",
                        KILL=f"{NAMES[1]}:5", SLEEP="0.02")

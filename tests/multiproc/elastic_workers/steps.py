@@ -12,6 +12,7 @@ Environment: ``OUT`` (a folder), ``LENGTH``, ``EPOCHS``, ``SLEEP`` (seconds a st
 ``KILL_ADDS=LINE`` (the victim first appends LINE to the discovery list ``HOSTS``),
 ``SYNC_KILL=HOST:GEN`` (the worker on HOST SIGKILLs itself as generation GEN syncs),
 ``JOIN_KILL=HOST:GEN`` (... as it receives its place in generation GEN, before it connects),
+``STOP=HOST:STEP`` (the worker on HOST SIGSTOPs itself in the middle of that step),
 ``EDIT=STEP:+LINE,STEP:-LINE,...`` (rank 0 adds LINE to ``HOSTS``, or removes it, after that
 step, and holds the job until the driver asks it to re-form, so that the test knows the step).
 Each worker records its resident memory at each generation it joins (``rss-*.jsonl``).
@@ -84,6 +85,8 @@ def train(state: elastic.ObjectState) -> int:
             sample = mine[k] if k < len(mine) else -1
             handle = rf.allreduce_async(np.array([sample + 1], np.int64), name="step",
                                         op=rf.Sum)
+            if os.environ.get("STOP") == f"{HOST}:{state.step}":
+                os.kill(os.getpid(), signal.SIGSTOP)
             if KILL_SLOT in ("", SLOT) and f"{HOST}:{state.step}" in KILL:
                 with open(os.path.join(OUT, f"kill-{WID}.json"), "w") as f:
                     json.dump({"t": time.time(), "step": state.step}, f)
