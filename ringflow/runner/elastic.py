@@ -195,8 +195,8 @@ class _Driver:
     def _exited(self, wid: int, code: int) -> None:
         worker = self.workers[wid]
         worker.code = code
-        if code == 0:
-            self.finished = self.finished or not worker.removed
+        if code == 0:  # the training is over, unless it was removed or never joined
+            self.finished = self.finished or (wid in self.members and not worker.removed)
             return
         if self.stop_signal is not None or self._closed.is_set():
             return  # stopped by this driver
