@@ -243,8 +243,7 @@ class _Driver:
         waiting = [w for w in live.values() if w.asked > w.answered]
         members = [m for m in self.members if m in live]
         if self.generation >= 0 and not members and not self.finished:
-            return (f"every worker of generation {self.generation} is gone, and the training "
-                    "state with them")
+            return self._lost()
         gone = [m for m in members if live[m].host not in self.hosts]
         if not waiting or any(live[m].asked == live[m].answered for m in members):
             newcomers = any(w.id not in self.members for w in waiting)
@@ -293,6 +292,12 @@ class _Driver:
                  len(chosen))
         return None
 
+    def _lost(self) -> str:
+        if self.generation < 0:
+            return "every worker exited before the first generation formed"
+        return (f"every worker of generation {self.generation} is gone, and the training "
+                "state with them")
+
     def _answer(self, worker: _Worker, value: bytes) -> None:
         self.store.set(f"elastic/resp/{worker.id}/{worker.asked}", value)
         worker.answered = worker.asked
@@ -312,6 +317,8 @@ class _Driver:
                     except queue.Empty:
                         break
                 if self.workers and not any(w.live for w in self.workers.values()):
+                    if not self.finished:
+                        failure = self._lost()
                     break
                 if self.finished and not any(self.workers[m].live for m in self.members):
                     break  # the training is over: newcomers that never joined are stopped

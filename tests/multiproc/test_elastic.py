@@ -235,6 +235,32 @@ def test_a_frozen_worker_is_left_behind(tmp_path):
     no_workers_left(tmp_path)
 
 
+def test_no_usable_host_fails_after_the_elastic_timeout(tmp_path):
+    proc = elastic_run(tmp_path, ["far-away-host:2"], "--elastic-timeout", "1")
+    assert proc.returncode == 1
+    assert "ignoring host 'far-away-host' of the discovery script" in proc.stderr
+    assert ("ringflow-run: no first generation of at least --min-np 1 workers within "
+            "--elastic-timeout 1 s (workers started: 0)") in proc.stderr
+
+
+def test_below_min_np_for_the_elastic_timeout_the_job_fails(tmp_path):
+    proc = elastic_run(tmp_path, NAMES, "--min-np", "3", "--elastic-timeout", "2",
+                       KILL=f"{NAMES[1]}:3", SLEEP="0.02")
+    assert proc.returncode == 128 + 9  # the first failure's: the SIGKILL
+    assert ("ringflow-run: only 2 workers for at least --min-np 3 within --elastic-timeout "
+            "2 s") in proc.stderr
+    no_workers_left(tmp_path)
+
+
+def test_when_every_worker_of_a_generation_dies_the_job_fails_and_says_why(tmp_path):
+    proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "1", KILL=f"{NAMES[0]}:3,{NAMES[1]}:3",
+                       SLEEP="0.02")
+    assert proc.returncode == 128 + 9
+    assert ("ringflow-run: every worker of generation 0 is gone, and the training state with "
+            "them") in proc.stderr
+    no_workers_left(tmp_path)
+
+
 def test_past_the_reset_limit_the_job_fails_and_says_why(tmp_path):
     proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3", "--reset-limit", "0",
                        KILL=f"{NAMES[1]}:5", SLEEP="0.02")

@@ -328,6 +328,14 @@ def test_unknown_flags_get_a_did_you_mean(capsys, flag, line):
                                                 "--host-discovery-script SCRIPT"),
         (["--host-discovery-script", "x", "--min-np", "3", "--max-np", "2", "true"],
          "error: --min-np 3 is above --max-np 2"),
+        (["--host-discovery-script", "x", "-H", "a:2", "true"],
+         "error: an elastic job takes its hosts from --host-discovery-script; drop -H / "
+         "--hostfile"),
+        (["--host-discovery-script", "x", "--blacklist-cooldown-range", "5", "1", "true"],
+         "error: --blacklist-cooldown-range 5 1: give 0 <= LO <= HI"),
+        (["--host-discovery-script", "x"], "error: no command given; e.g. ringflow-run "
+                                          "--min-np 2 --host-discovery-script ./hosts.sh python "
+                                          "train.py"),
     ],
 )
 def test_usage_errors_are_one_line(capsys, argv, line):

@@ -1,5 +1,6 @@
 """The Keras elastic callbacks (ringflow.tensorflow.keras.elastic) on a state that records its
-commits: what they keep in ``state.batch`` and ``state.epoch``, and when they commit."""
+commits: what they keep in ``state.batch`` and ``state.epoch``, and when they commit; the
+TensorFlow states' refusals."""
 
 from __future__ import annotations
 
@@ -50,3 +51,17 @@ def test_epoch_counts_across_resets():
     cb.on_train_begin()  # fit() again after a reset
     cb.on_epoch_end(0)
     assert state.epoch == 4
+
+
+def test_tensorflow_states_refuse_what_they_cannot_hold():
+    import keras
+    import tensorflow as tf
+
+    from ringflow.errors import UnsupportedError
+    from ringflow.tensorflow import elastic as tf_elastic
+
+    with pytest.raises(UnsupportedError, match="TF1's global variables and sessions are not"):
+        tf_elastic.TensorFlowState([tf.Variable(1.0)], session=object())
+    model = keras.Sequential([keras.layers.Dense(1)])  # no input shape: not built
+    with pytest.raises(ValueError, match="Model must be built first"):
+        tf_elastic.TensorFlowKerasState(model, keras.optimizers.SGD())

@@ -190,3 +190,14 @@ def test_discover_reads_names_and_slots(tmp_path):
 def test_discover_failures_say_what_failed(tmp_path, text, fragment):
     with pytest.raises(LaunchError, match=fragment):
         discover(_script(tmp_path, text), 1)
+
+
+def test_a_bad_worker_id_names_the_variables(monkeypatch):
+    from ringflow import runtime
+    from ringflow.config import Config
+
+    monkeypatch.setenv("RINGFLOW_ELASTIC_ID", "one")
+    monkeypatch.setattr(runtime, "_world", None)
+    with pytest.raises(ConfigError, match="RINGFLOW_ELASTIC_ID='one' and "
+                                          "RINGFLOW_ELASTIC_TIMEOUT_S='600' must be a number"):
+        runtime._next_generation(Config.from_env({}))
