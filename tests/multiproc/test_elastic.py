@@ -292,8 +292,9 @@ def test_fifty_resets_leak_no_memory(tmp_path):
 
 
 #: Seeded schedules of SIGKILLs (RINGFLOW_CHAOS_RUNS to run more): one to three kills at
-#: random steps on one or two of the three names, a blacklisted name back after 1 s (its new
-#: worker joins, and may be killed again). One name is never killed, so the state survives.
+#: random steps (mid-step or in commit()) on one or two of the three names, a blacklisted name
+#: back after 1 s (its new worker joins, and may be killed again). One name is never killed,
+#: so the state survives.
 CHAOS_RUNS = int(os.environ.get("RINGFLOW_CHAOS_RUNS", "3"))
 
 
@@ -304,7 +305,8 @@ def test_chaos_schedule(tmp_path, seed):
     kills = [(h, rng.randint(1, 20)) for h in victims]
     if rng.random() < 0.5:  # the respawned worker of the first victim dies too
         kills.append((victims[0], kills[0][1] + rng.randint(4, 15)))
-    spec = ",".join(f"{h}:{s}" for h, s in kills)
+    # In the middle of a step, or in commit() once the step is saved.
+    spec = ",".join(f"{h}:{s}" + rng.choice(["", ":commit"]) for h, s in kills)
     proc = elastic_run(tmp_path, NAMES, "--min-np", "1", "--max-np", "3",
                        "--blacklist-cooldown-range", "1", "1", KILL=spec, SLEEP="0.1",
                        LENGTH="24", EPOCHS="3")

@@ -7,7 +7,8 @@ took, in which order: a replay from the schedule of sizes must reach it bit for 
 (``w``, epoch, processed samples, step) is committed after every step.
 
 Environment: ``OUT`` (a folder), ``LENGTH``, ``EPOCHS``, ``SLEEP`` (seconds a step),
-``KILL=HOST:STEP,...`` (the worker on HOST SIGKILLs itself in the middle of that step; with
+``KILL=HOST:STEP,...`` (the worker on HOST SIGKILLs itself in the middle of that step, or
+with ``HOST:STEP:commit`` in ``commit()`` once that step is saved; with
 ``KILL_SLOT=N`` only the one in slot N of HOST; it records the time first, ``kill-*.json``),
 ``KILL_ADDS=LINE`` (the victim first appends LINE to the discovery list ``HOSTS``),
 ``SYNC_KILL=HOST:GEN`` (the worker on HOST SIGKILLs itself as generation GEN syncs),
@@ -113,6 +114,12 @@ def train(state: elastic.ObjectState) -> int:
 
 
 class State(elastic.ObjectState):
+    def commit(self) -> None:
+        self.save()
+        if f"{HOST}:{self.step}:commit" in KILL:  # saved here, its peers in the host check
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.check_host_updates()
+
     def sync(self) -> None:
         if f"{HOST}:{rf.runtime.world().generation}" == SYNC_KILL:
             os.kill(os.getpid(), signal.SIGKILL)  # its peers are in the broadcast of sync()
