@@ -139,6 +139,8 @@ if os.environ.get("JOIN_KILL"):  # HOST:GEN: die between the answer and the conn
 
     World.join = join_then_die  # type: ignore[method-assign]
 
+with open(os.path.join(OUT, f"start-{WID}.json"), "w") as f:
+    json.dump({"t": time.time()}, f)  # asks for its first generation now
 rf.init()
 w = train(State(w=7 if rf.rank() == 0 else -5, epoch=0, processed=0, step=0))
 final = {"w": w, "rank": rf.rank(), "size": rf.size(), "gen": rf.runtime.world().generation}
