@@ -27,6 +27,7 @@ ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
 WORKER = str(Path(__file__).parent / "elastic_workers" / "steps.py")
 TORCH_WORKER = str(Path(__file__).parent / "elastic_workers" / "torch_steps.py")
 TF_WORKER = str(Path(__file__).parent / "elastic_workers" / "tf_steps.py")
+KERAS_WORKER = str(Path(__file__).parent / "elastic_workers" / "keras_fit.py")
 P, SEED = 1_000_003, 11
 
 
@@ -351,6 +352,22 @@ def test_framework_state_moves_between_generations(tmp_path, grow, framework):
         assert sizes[:3] == [2] * 3 and set(sizes[3:]) == {3}, sizes
     else:  # step 5 may complete at size 3 (see the numpy test)
         assert sizes[:5] == [3] * 5 and sizes[5] in (2, 3) and set(sizes[6:]) == {2}, sizes
+    no_workers_left(tmp_path)
+
+
+def test_keras_fit_rolls_back_the_interrupted_epoch(tmp_path):
+    """model.fit under hvd.elastic.run: a worker dies in the third batch of epoch 1; the
+    collective's failure comes out of the compiled step as a TensorFlow UnknownError, which
+    run() turns into HorovodInternalError; KerasState rolls back to the end of epoch 0, and
+    epochs 1 to 3 run at size 2, with the same weights and optimizer variables on both ranks."""
+    pytest.importorskip("tensorflow")
+    proc = elastic_run(tmp_path, NAMES, "--min-np", "2", worker=KERAS_WORKER,
+                       KILL=f"{NAMES[1]}:1:2", EPOCHS="4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ends = finals(tmp_path)
+    assert len(ends) == 2 and {e["size"] for e in ends} == {2}
+    assert len({(tuple(e["params"]), tuple(e["momentum"])) for e in ends}) == 1
+    assert all(e["ran"] == [[0, 3], [1, 2], [2, 2], [3, 2]] for e in ends), ends
     no_workers_left(tmp_path)
 
 
