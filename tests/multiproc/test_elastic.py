@@ -262,6 +262,31 @@ def test_when_every_worker_of_a_generation_dies_the_job_fails_and_says_why(tmp_p
     no_workers_left(tmp_path)
 
 
+def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
+    (tmp_path / "hosts").write_text("".join(h + "\n" for h in NAMES))
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+    script.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path), "LENGTH": "600", "EPOCHS": "1", "SLEEP": "0.05",
+           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ringflow.runner", "--host-discovery-script", str(script),
+         "--min-np", "3", sys.executable, WORKER], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        end = time.monotonic() + 60
+        while not list(tmp_path.glob("steps-*.jsonl")) and time.monotonic() < end:
+            time.sleep(0.1)
+        proc.send_signal(15)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode == 128 + 15, err[-3000:]
+    assert "blacklisted" not in err  # workers it stopped are not failures
+    no_workers_left(tmp_path)
+
+
 def test_past_the_reset_limit_the_job_fails_and_says_why(tmp_path):
     proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3", "--reset-limit", "0",
                        KILL=f"{NAMES[1]}:5", SLEEP="0.02")
