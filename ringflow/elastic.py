@@ -129,14 +129,17 @@ class ObjectState(State):
 
 
 def _reset() -> None:
-    """``shutdown(); init()``; an ``init()`` that fails because a peer of the new generation
-    failed too asks for the next one (the driver's --reset-limit bounds the tries)."""
+    """``shutdown(); init()``. In an elastic job, an ``init()`` that fails because a peer of the
+    new generation failed too asks for the next one (the driver's --reset-limit and
+    --elastic-timeout bound the tries); elsewhere (a fixed-size job) its error is raised."""
     shutdown()
     while True:
         try:
             init()
             return
         except (HorovodInternalError, RingflowTimeoutError) as exc:
+            if runtime.world() is None:
+                raise
             log.warning("joining the next generation failed (%s); asking for another", exc)
             shutdown()
 

@@ -201,3 +201,22 @@ def test_a_bad_worker_id_names_the_variables(monkeypatch):
     with pytest.raises(ConfigError, match="RINGFLOW_ELASTIC_ID='one' and "
                                           "RINGFLOW_ELASTIC_TIMEOUT_S='600' must be a number"):
         runtime._next_generation(Config.from_env({}))
+
+
+def test_outside_an_elastic_job_a_failed_reinit_is_raised(monkeypatch):
+    """Under a fixed-size launcher there is no next generation to ask for: the reset's init()
+    error ends the loop instead of retrying for good."""
+    from ringflow import elastic, runtime
+
+    calls: list[str] = []
+    monkeypatch.setattr(runtime, "_world", None)
+    monkeypatch.setattr(elastic, "shutdown", lambda: calls.append("shutdown"))
+
+    def init() -> None:
+        calls.append("init")
+        raise PeerError("rank 1 is gone")
+
+    monkeypatch.setattr(elastic, "init", init)
+    with pytest.raises(PeerError, match="rank 1 is gone"):
+        elastic._reset()
+    assert calls == ["shutdown", "init"]
