@@ -38,7 +38,8 @@ start in each of the three adjacent pairs and its median by ``MARGIN``, else the
 tuner ends at the start's rate or above, short of noise that wins three interleaved pairs in a row
 (1 in 8 for a setting no better). At the defaults (5 steps a sample) that is about 115 steps when
 nothing beats the start and 175 at most when every parameter moves and compression is allowed
-(tests/unit/test_autotune_search.py); then the engine drops the tuner, which costs nothing from then on.
+(tests/unit/test_autotune_search.py); then the engine drops the tuner, which costs nothing from
+then on.
 
 **Agreement.** Every value is decided by rank 0 and applied where ranks cannot disagree:
 the fusion threshold and the cycle time are rank 0's alone (the coordinator plans for everyone);

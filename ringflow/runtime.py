@@ -43,6 +43,7 @@ _engine: Engine | None = None
 _info: Any = None
 _client: Any = None
 _generation = itertools.count()
+_world: Any = None  # an elastic worker's ringflow.world.World, from its first init() on
 
 
 class _Local(threading.local):
@@ -130,7 +131,11 @@ def init(comm: Any = None, *, rank: int | None = None, size: int | None = None,
             return
         config = Config.from_env()
         logging.getLogger("ringflow").setLevel(config.log_level.upper())
-        if comm is not None:
+        prefix = None
+        if (comm is None and rank is None and size is None and store is None
+                and init_method is None and os.environ.get("RINGFLOW_ELASTIC_ID")):
+            store, info, prefix = _next_generation(config)
+        elif comm is not None:
             from .bootstrap import comm_info
 
             info = comm_info(comm)
@@ -148,7 +153,8 @@ def init(comm: Any = None, *, rank: int | None = None, size: int | None = None,
         generation = next(_generation)
         # A given store is this job's alone: its keys need no per-init() prefix (which would
         # differ between ranks that called init() a different number of times before).
-        prefix = "" if store is not None else f"init{generation}/"
+        if prefix is None:
+            prefix = "" if store is not None else f"init{generation}/"
         if info.size == 1 and not info.placed:
             info = topology.place(info, [info.hostname])
         elif info.size > 1:
@@ -187,6 +193,40 @@ def init(comm: Any = None, *, rank: int | None = None, size: int | None = None,
         devices.forget()  # a fresh job claims its devices again
 
 
+def _next_generation(config: Config) -> tuple[Any, RankInfo, str]:
+    """An elastic worker's store, place and key prefix in the next generation of its job
+    (:mod:`ringflow.world`); the process ends with code 0 when the driver removed it."""
+    global _world
+    from .world import World
+
+    if _world is None:
+        from .rendezvous import connect
+
+        text = os.environ.get("RINGFLOW_ELASTIC_ID", "")
+        timeout = os.environ.get("RINGFLOW_ELASTIC_TIMEOUT_S", "600")
+        try:
+            worker_id, timeout_s = int(text), float(timeout)
+        except ValueError:
+            raise ConfigError(f"RINGFLOW_ELASTIC_ID={text!r} and RINGFLOW_ELASTIC_TIMEOUT_S="
+                              f"{timeout!r} must be a number each; they come from ringflow-run "
+                              "--min-np/--max-np: unset them outside such a job") from None
+        _world = World(connect(timeout=config.timeout_s), worker_id, timeout_s,
+                       config.timeout_s)
+    answer = _world.join()
+    if answer is None:
+        log.info("this worker was removed from the elastic job (its host left the discovery "
+                 "script's list); exiting with code 0")
+        raise SystemExit(0)
+    generation, info = answer
+    return _world.store_of(generation), info, f"elastic{generation}/"
+
+
+def world() -> Any:
+    """This elastic worker's :class:`~ringflow.world.World` (None outside an elastic job, or
+    before its first ``init()``)."""
+    return _world
+
+
 def get_client() -> Client:
     """The job's key-value client (MegEngine's ``dist.get_client()``): ``user_set(key, value)``
     and ``user_get(key, timeout=None)`` on the store every rank reached at ``init()``."""
@@ -216,10 +256,10 @@ def _forget_after_fork() -> None:
     thread of the engine survives the fork. The child is no rank: it forgets them without closing
     or writing anything, so that its exit says no goodbye on the parent's connections (which
     would end the parent's job) and ringflow calls in the child raise NotInitializedError."""
-    global _engine, _info, _client, _state_lock, _local
+    global _engine, _info, _client, _state_lock, _local, _world
     _state_lock = threading.Lock()  # another thread may have held it at the fork
     _local = _Local()
-    _engine = _info = _client = None
+    _engine = _info = _client = _world = None
     failure.forget()
 
 

@@ -73,12 +73,11 @@ Spelling (origin)                         ringflow-run
 ``--no-mpi-threads-disable``,
 ``--log-without-timestamp``,
 ``--log-hide-timestamp``
-``--min-np``, ``--max-np``,               refused: elastic jobs are not supported (ringflow jobs
-``--min-num-proc``, ``--max-num-proc``,   do not resize)
-``--slots-per-host``,
-``--elastic-timeout``, ``--reset-limit``,
-``--blacklist-cooldown-range``,
-``--host-discovery-script``
+``--host-discovery-script S``,            an elastic job (:mod:`ringflow.runner.elastic`):
+``--min-np``, ``--max-np``,               workers join and leave while it runs; on this
+``--slots-per-host``, ``--reset-limit``,  machine only for now (other hosts are ignored with a
+``--elastic-timeout``,                    warning)
+``--blacklist-cooldown-range``
 ``--nproc-per-node N``,                   ``-np N`` on this host; ``N`` may also be ``cpu`` (the
 ``--nproc_per_node N`` (torchrun)         CPUs this process may use), ``gpu`` (``nvidia-smi -L``)
                                           or ``auto`` (GPUs if any, else CPUs), as in torchrun.
@@ -303,6 +302,24 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--gloo", action="store_true", help=argparse.SUPPRESS)
     tune.add_argument("--tcp", dest="tcp_flag", action="store_true", help=argparse.SUPPRESS)
     tune.add_argument("--gloo-timeout-seconds", type=float, metavar="S", help=argparse.SUPPRESS)
+    elastic = p.add_argument_group("elastic jobs (horovodrun's flags; ringflow.runner.elastic)")
+    elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
+                         help="makes the job elastic: an executable printing the hosts that may "
+                              "run workers now, one HOST[:SLOTS] a line (run every second)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, metavar="N",
+                         help="fewest workers to train with (default -np, else 1)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, metavar="N",
+                         help="most workers at once (default: every listed slot)")
+    elastic.add_argument("--slots-per-host", type=int, metavar="N",
+                         help="slots of a discovered host whose line gives none (default 1)")
+    elastic.add_argument("--reset-limit", type=int, metavar="N",
+                         help="most times the job may re-form (default: no limit)")
+    elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("LO", "HI"),
+                         help="a failed host may run workers again after min(HI, LO * 2**(k-1)) "
+                              "s at its k-th failure (default: never)")
+    elastic.add_argument("--elastic-timeout", type=float, metavar="S",
+                         help="longest wait for --min-np workers, or for a worker to leave its "
+                              "generation (default 600)")
     torch = p.add_argument_group("torchrun's flags (see the list below)")
     torch.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
                        metavar="N", help="-np N on this host (N: a number, cpu, gpu or auto)")
@@ -525,6 +542,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
         return _error(str(exc))
     if args.check_build:
         return args
+    elastic = ("--min-np", "--max-np", "--slots-per-host", "--reset-limit",
+               "--blacklist-cooldown-range", "--elastic-timeout")
+    given = [f for f in elastic if getattr(args, f[2:].replace("-", "_")) is not None]
+    if args.host_discovery_script is None and given:
+        return _error(f"{given[0]} is for elastic jobs: add --host-discovery-script SCRIPT")
+    if args.host_discovery_script is not None:
+        return _check_elastic(args)
     if args.np is None:
         return _error(f"the following arguments are required: -np; e.g. {PROG} -np 2 python "
                       "train.py")
@@ -532,6 +556,29 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
         return _error(f"no command given; e.g. {PROG} -np 2 python train.py")
     if args.start_timeout is not None and args.start_timeout <= 0:
         return _error(f"--start-timeout {args.start_timeout} must be > 0")
+    return args
+
+
+def _check_elastic(args: argparse.Namespace) -> argparse.Namespace | int:
+    if args.hosts or args.hostfile:
+        return _error("an elastic job takes its hosts from --host-discovery-script; drop -H / "
+                      "--hostfile")
+    args.min_np = args.min_np or args.np or 1
+    args.max_np = args.max_np or 1 << 30
+    for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np),
+                        ("--slots-per-host", args.slots_per_host or 1),
+                        ("--elastic-timeout", args.elastic_timeout or 1)):
+        if value <= 0:
+            return _error(f"{flag} {value} must be > 0")
+    if args.min_np > args.max_np:
+        return _error(f"--min-np {args.min_np} is above --max-np {args.max_np}")
+    cooldown = args.blacklist_cooldown_range
+    if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
+        return _error(f"--blacklist-cooldown-range {cooldown[0]:g} {cooldown[1]:g}: give "
+                      "0 <= LO <= HI")
+    if not args.command:
+        return _error(f"no command given; e.g. {PROG} --min-np 2 --host-discovery-script "
+                      "./hosts.sh python train.py")
     return args
 
 
@@ -616,6 +663,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         sys.stdout.write(check_build(_version()))
         return 0
+    if args.host_discovery_script is not None:
+        return _main_elastic(args)
     try:
         if args.hostfile:
             hosts = parse_hostfile(args.hostfile)
@@ -651,6 +700,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with _launcher_logging(args.log_level, args.verbose):
         return _run(args, workers, where, env)
+
+
+def _main_elastic(args: argparse.Namespace) -> int:
+    from .elastic import ElasticSettings, run_elastic
+
+    try:
+        env, messages = _worker_env(args, os.environ)
+    except (LaunchError, ConfigError) as exc:
+        return _error(str(exc))
+    for line in [f"{PROG}: note: {note}" for note in args.notes] + messages:
+        print(line, file=sys.stderr)
+    cooldown = args.blacklist_cooldown_range
+    settings = ElasticSettings(
+        min_np=args.min_np, max_np=args.max_np,
+        discovery_script=os.path.abspath(args.host_discovery_script)
+        if os.sep in args.host_discovery_script else args.host_discovery_script,
+        slots_per_host=args.slots_per_host or 1, reset_limit=args.reset_limit,
+        cooldown=None if cooldown is None else (cooldown[0], cooldown[1]),
+        elastic_timeout_s=args.elastic_timeout or 600.0)
+    with _launcher_logging(args.log_level, args.verbose):
+        try:
+            return run_elastic(args.command, settings, base_env=env, handle_signals=True,
+                               start_timeout_s=args.start_timeout or 30.0)
+        except LaunchError as exc:
+            return _error(str(exc), 1)
 
 
 def _run(args: argparse.Namespace, workers: list[Any], where: list[str],

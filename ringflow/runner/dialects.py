@@ -54,7 +54,6 @@ MAPPED: tuple[tuple[str, str], ...] = (
     ("--timestamp-output, --output-filename, --bind-to core|none", "as in mpirun"),
 )
 
-_ELASTIC = "elastic jobs are not supported (ringflow jobs do not resize)"
 _NODES = ("ringflow-run starts the whole job from one host: list every host with "
           "-H node1:N,node2:N (or --hostfile) and the total with -np, instead of one launcher "
           "per node")
@@ -134,10 +133,6 @@ NOTES: tuple[Foreign, ...] = (
 
 #: Refused with a one-line reason (exit code 2).
 REFUSED: tuple[Foreign, ...] = (
-    *(Foreign(flags, _ELASTIC, nargs=nargs) for flags, nargs in (
-        (("--min-np", "--min-num-proc"), 1), (("--max-np", "--max-num-proc"), 1),
-        (("--slots-per-host",), 1), (("--elastic-timeout",), 1), (("--reset-limit",), 1),
-        (("--blacklist-cooldown-range",), 2), (("--host-discovery-script",), 1))),
     Foreign(("--mpi",), "", dest="mpi"),  # its text names the mpirun command: see cli
     Foreign(("--jsrun",), "ringflow-run does not start jsrun; start the job with jsrun "
                           "yourself, as with mpirun"),

@@ -313,3 +313,4 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
     return kit.compressed(compression, [tf.convert_to_tensor(t) for t in tensors], reduce)
 
 
+from . import elastic as elastic  # noqa: E402  (hvd.elastic as in horovod.tensorflow; after the above)

@@ -246,3 +246,5 @@ def _register_backend() -> None:
 
 
 _register_backend()
+
+from . import elastic as elastic  # noqa: E402  (hvd.elastic.run as in horovod.torch; after the above)

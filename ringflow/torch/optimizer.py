@@ -317,6 +317,17 @@ class _DistributedOptimizer:
             self.step_overlap = overlap
             runtime.running().record_step(overlap)
 
+    def _abandon(self) -> None:
+        """Forget the allreduces of a step that failed with its job (an elastic reset,
+        :mod:`ringflow.torch.elastic`): the next backward pass starts afresh, on the next
+        generation's engine."""
+        self._handles.clear()
+        self._batcher.reset()
+        self._allreduce_delay = dict.fromkeys(self._allreduce_delay,
+                                              self.backward_passes_per_step)
+        self._flush_queued = False
+        self._synchronized = False
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Inside this block ``step()`` does not synchronize (you called synchronize())."""

@@ -122,9 +122,9 @@ def test_horovod_variables_are_read_once_by_the_launcher(tmp_path):
 
 def test_refused_flag_starts_nothing(tmp_path):
     marker = tmp_path / "started"
-    proc = launch("-np", "2", "--min-np", "1", sys.executable, "-c",
+    proc = launch("-np", "2", "--rdzv-id", "1", sys.executable, "-c",
                   f"open({str(marker)!r}, 'w').close()")
     assert proc.returncode == 2
-    assert proc.stderr == ("ringflow-run: --min-np: elastic jobs are not supported (ringflow "
-                           "jobs do not resize)\n")
+    assert proc.stderr.startswith("ringflow-run: --rdzv-id: ringflow-run runs the job's "
+                                  "rendezvous itself")
     assert not marker.exists()

@@ -248,11 +248,6 @@ def test_each_refused_flag_is_one_line_and_exit_2(capsys, entry, flag):
 
 def test_refusal_texts():
     texts = {f: e.text for e in dialects.REFUSED for f in e.flags}
-    assert texts["--elastic-timeout"] == (
-        "elastic jobs are not supported (ringflow jobs do not resize)")
-    for flag in ("--min-np", "--max-num-proc", "--host-discovery-script", "--slots-per-host",
-                 "--reset-limit", "--blacklist-cooldown-range"):
-        assert texts[flag] == texts["--elastic-timeout"]
     assert "ringflow-run runs the job's rendezvous itself" in texts["--rdzv-endpoint"]
     assert texts["--rdzv_backend"] == texts["--rdzv-endpoint"]
     assert "use --network-interface IF" in texts["--local-addr"]
@@ -291,8 +286,10 @@ def test_horovods_autotune_flags_run_ringflows_autotuner(job, capsys):
 
 
 def test_every_refusal_is_reported_not_only_the_first(capsys):
-    assert usage(capsys, "--min-np", "1", "--oversubscribe", "-np", "2", "true") == [
-        "ringflow-run: --min-np: elastic jobs are not supported (ringflow jobs do not resize)",
+    assert usage(capsys, "--rdzv-id", "1", "--oversubscribe", "-np", "2", "true") == [
+        "ringflow-run: --rdzv-id: ringflow-run runs the job's rendezvous itself (an "
+        "authenticated store on a free port); for several hosts list them with -H "
+        "node1:N,node2:N",
         "ringflow-run: --oversubscribe: ringflow-run never oversubscribes: -np must fit in the "
         "slots of -H host:N; raise the slots",
     ]
@@ -325,7 +322,20 @@ def test_unknown_flags_get_a_did_you_mean(capsys, flag, line):
         (["true"], "error: the following arguments are required: -np; e.g. ringflow-run -np 2 "
                    "python train.py"),
         (["-np", "2"], "error: no command given; e.g. ringflow-run -np 2 python train.py"),
-        (["-np", "2", "--min-np"], "error: argument --min-np/--min-num-proc: expected 1 argument"),
+        (["-np", "2", "--min-np"], "error: argument --min-np/--min-num-proc: expected one "
+                                   "argument"),
+        (["-np", "2", "--min-np", "2", "true"], "error: --min-np is for elastic jobs: add "
+                                                "--host-discovery-script SCRIPT"),
+        (["--host-discovery-script", "x", "--min-np", "3", "--max-np", "2", "true"],
+         "error: --min-np 3 is above --max-np 2"),
+        (["--host-discovery-script", "x", "-H", "a:2", "true"],
+         "error: an elastic job takes its hosts from --host-discovery-script; drop -H / "
+         "--hostfile"),
+        (["--host-discovery-script", "x", "--blacklist-cooldown-range", "5", "1", "true"],
+         "error: --blacklist-cooldown-range 5 1: give 0 <= LO <= HI"),
+        (["--host-discovery-script", "x"], "error: no command given; e.g. ringflow-run "
+                                          "--min-np 2 --host-discovery-script ./hosts.sh python "
+                                          "train.py"),
     ],
 )
 def test_usage_errors_are_one_line(capsys, argv, line):

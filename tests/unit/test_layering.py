@@ -39,14 +39,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
      ("ringflow.backends",)),
     ("the executor: one plan item on the data plane", ("ringflow.executor",)),
     ("the engine: control, threads, failures", ("ringflow.engine",)),
-    ("the runtime: init() and shutdown(), the running engine", ("ringflow.runtime",)),
+    ("the runtime: init() and shutdown(), the running engine; an elastic worker's generations",
+     ("ringflow.runtime", "ringflow.world")),
     ("the call side: a call -> a request, process sets, logs, single-process scopes",
      ("ringflow.submission", "ringflow.process_sets", "ringflow.logs",
       "ringflow.single_process")),
     ("launchers: ringflow-run, ringflow.run, ssh, supervisors", ("ringflow.runner",)),
     ("the public API and what is built on it only",
      ("ringflow", "ringflow._adapter", "ringflow.metrics", "ringflow.build", "ringflow.testing",
-      "ringflow.ray")),
+      "ringflow.ray", "ringflow.elastic")),
     ("framework adapters", ("ringflow.torch", "ringflow.tensorflow")),
 ]
 

@@ -207,3 +207,6 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
         # class only adds methods (no state of its own when backward_passes_per_step == 1).
         optimizer.__class__ = wrap_optimizer_class(type(optimizer), compression=compression)
     return model
+
+
+from . import elastic as elastic  # noqa: E402  (hvd.elastic as in horovod.tensorflow.keras)

@@ -1,0 +1,179 @@
+"""Elastic training, framework-neutral: Horovod's ``hvd.elastic`` states and ``run`` loop.
+
+The adapters (:mod:`ringflow.torch.elastic`) add their state handlers and nothing else; the
+re-forming world is :mod:`ringflow.world` (the worker) and :mod:`ringflow.runner.elastic` (the
+driver, ``ringflow-run --host-discovery-script``).
+
+``run(train)(state, ...)`` loops, as Horovod 0.28's ``run_fn`` does:
+
+1. ``state.sync()``: every tracked value goes from rank 0 to every rank (rank 0 is always a
+   worker of the previous generation, which holds the committed state);
+2. ``train(state, ...)``; its result is ``run``'s;
+3. on :class:`~ringflow.errors.HorovodInternalError` (a peer died, the job's collectives
+   failed): ``state.restore()`` to the last ``commit()``; on
+   :class:`~ringflow.errors.HostsUpdatedInterrupt` (raised by ``commit()``): nothing is undone;
+4. the reset: ``shutdown()``, ``init()`` (the next generation, :mod:`ringflow.world`), the
+   state's reset callbacks; then 1 again.
+
+Where it differs from Horovod, on purpose: every reset syncs (Horovod skips ``sync()`` after an
+interrupt that only removed hosts, which leaves ``ElasticSampler`` on its old shards and repeats
+samples, #3399, and deadlocks when newcomers do sync, #3494); a failure inside ``sync()`` rolls
+back and resets like one in ``train`` (Horovod lets it end the job, #2995); ``commit()`` decides
+host updates from every rank's view (an allreduce of the maximum), not from rank 0's alone; and
+:class:`ObjectState` keeps deep copies, so that a value changed in place after ``commit()`` is
+still rolled back.
+
+:func:`shard` is the sampler's arithmetic (``ElasticSampler`` in the adapters): the indices of
+an epoch (shuffled with ``seed + epoch`` as Horovod does), without the first ``processed`` ones,
+rank ``r`` taking positions ``r, r + size, ...`` -- no padding, so every sample is seen exactly
+once per epoch; after ``k`` full steps of ``b`` samples a rank, the processed ones are exactly
+the first ``k * b * size``, whatever the sizes of the generations were.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import Max, allreduce, init, rank, runtime, shutdown
+from ._adapter import broadcast_object
+from .errors import HorovodInternalError, HostsUpdatedInterrupt, RingflowTimeoutError
+
+__all__ = ["ObjectState", "State", "run", "run_fn", "shard"]
+
+log = logging.getLogger(__name__)
+
+
+class State:
+    """What an elastic ``train`` function keeps across resets (Horovod's ``State``).
+
+    ``bcast_object(obj)`` sends rank 0's ``obj`` to every rank; ``get_rank()`` is this rank.
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object,
+                 get_rank: Callable[[], int] = rank) -> None:
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Call each of ``callbacks`` after every reset (e.g. to scale the learning rate to the
+        new ``size()``)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the state in memory (what a failure rolls back to), then
+        :meth:`check_host_updates`. Collective: every rank calls it at the same step.
+
+        Raises:
+            HostsUpdatedInterrupt: the job is to re-form (workers wait to join, a host left).
+        """
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise :class:`HostsUpdatedInterrupt` on every rank alike when the driver asked the
+        running generation to re-form. Collective (one allreduce of one number)."""
+        world = runtime.world()
+        mine = 1 if world is not None and world.update_pending() else 0
+        agreed = allreduce(np.array([mine], np.int32), name="elastic.host_updates", op=Max)
+        if int(agreed[0]):
+            raise HostsUpdatedInterrupt("the elastic job re-forms: workers wait to join or a "
+                                        "host left the discovery script's list")
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """Plain Python values as attributes (Horovod's ``ObjectState``): ``ObjectState(epoch=0,
+    batch=0)`` gives ``state.epoch``; ``save()`` keeps deep copies of them, ``restore()`` sets
+    copies back, ``sync()`` sends rank 0's saved values to every rank."""
+
+    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object,
+                 get_rank: Callable[[], int] = rank, **kwargs: Any) -> None:
+        self._saved_state = copy.deepcopy(kwargs)
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {k: copy.deepcopy(getattr(self, k)) for k in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for attr, value in self._saved_state.items():
+            object.__setattr__(self, attr, copy.deepcopy(value))
+
+
+def _reset() -> None:
+    """``shutdown(); init()``. In an elastic job, an ``init()`` that fails because a peer of the
+    new generation failed too asks for the next one (the driver's --reset-limit and
+    --elastic-timeout bound the tries); elsewhere (a fixed-size job) its error is raised."""
+    shutdown()
+    while True:
+        try:
+            init()
+            return
+        except (HorovodInternalError, RingflowTimeoutError) as exc:
+            if runtime.world() is None:
+                raise
+            log.warning("joining the next generation failed (%s); asking for another", exc)
+            shutdown()
+
+
+def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
+    """``func`` wrapped in the elastic loop of the module doc, with ``reset`` between tries."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        while True:
+            try:
+                state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as exc:
+                log.info("rolling back to the last commit: %s", exc)
+                state.restore()
+            except HostsUpdatedInterrupt as exc:
+                log.info("%s", exc)
+            reset()
+            state.on_reset()
+
+    return wrapper
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's ``@hvd.elastic.run`` decorator: ``func(state, ...)`` survives workers leaving
+    and joining (see the module doc). The reset is ``shutdown(); init()``."""
+    return run_fn(func, _reset)
+
+
+def shard(length: int, epoch: int, seed: int, shuffle: bool, processed: int, rank: int,
+          size: int) -> list[int]:
+    """Rank ``rank``'s indices of the rest of an epoch of ``length`` samples (module doc)."""
+    order = list(range(length))
+    if shuffle:
+        random.Random(seed + epoch).shuffle(order)
+    return order[processed:][rank::size]

@@ -1,0 +1,170 @@
+"""``hvd.elastic`` for torch (Horovod's ``horovod.torch.elastic``): ``run``, ``TorchState``,
+``ElasticSampler``, and the core's ``ObjectState``.
+
+The loop, the commit/restore/sync protocol and the sampler's arithmetic live in
+:mod:`ringflow.elastic`; this module only knows how to copy, load and send torch objects:
+
+* ``nn.Module``: ``state_dict()`` deep-copied at ``commit()``, loaded back at ``restore()``;
+  ``sync()`` broadcasts rank 0's parameters and buffers in place (``broadcast_parameters``);
+* ``optim.Optimizer`` (a ``DistributedOptimizer`` too) and LR schedulers: their
+  ``state_dict()`` likewise; ``sync()`` loads rank 0's whole ``state_dict`` (pickled, bit for
+  bit), so that a newcomer whose optimizer never stepped gets the moments and step counts;
+* :class:`ElasticSampler`: ``(epoch, processed_num)``; ``sync()`` loads rank 0's and reshards.
+
+Anything else given to :class:`TorchState` is a plain value
+(:class:`~ringflow.elastic.ObjectState`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .. import elastic as _core
+from ..elastic import ObjectState, run
+from . import broadcast_object, broadcast_parameters, rank, size
+
+__all__ = ["ElasticSampler", "ObjectState", "TorchState", "run"]
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """Shards ``dataset`` over the ranks and reshards what is left of the epoch after each reset
+    (Horovod's ``ElasticSampler``, without its padding: every sample once per epoch).
+
+    Record each step's batch with ``record_batch(batch_idx, batch_size)`` (``batch_size``: this
+    rank's, the same on every rank) before ``state.commit()``, and call ``set_epoch(epoch + 1)``
+    at the end of an epoch. Ranks hold ``len // size`` or one more of the remaining samples, so
+    the last step of an epoch may find some ranks without a batch: give the loop a fixed number
+    of steps (``ceil(remaining / size / batch_size)``) and let a rank without a batch contribute
+    zeros, or call ``join()``.
+
+    Args:
+        dataset: the dataset (its length must not change).
+        shuffle: shuffle the indices, with ``seed + epoch`` (Horovod's order).
+        seed: the same on every rank.
+    """
+
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_num = 0
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` (call it at the end of the previous one)."""
+        self.epoch = epoch
+        self.processed_num = 0
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Every rank processed a batch of ``batch_size`` more samples."""
+        self.processed_num += batch_size * self.num_replicas
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.epoch = state_dict["epoch"]
+        self.processed_num = state_dict["processed_num"]
+        self.reset()
+
+    def reset(self) -> None:
+        """Reshard the rest of the epoch over the current ranks."""
+        self.num_replicas, self.rank = size(), rank()
+        self.indices = _core.shard(len(self.dataset), self.epoch, self.seed, self.shuffle,
+                                   self.processed_num, self.rank, self.num_replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self.indices))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class _Handler:
+    """How one torch object is saved, restored and synced."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+    def save(self) -> None:
+        self.saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self.saved))
+
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), 0))
+
+
+class _OptimizerHandler(_Handler):
+    def sync(self) -> None:
+        abandon = getattr(self.value, "_abandon", None)
+        if abandon is not None:  # a DistributedOptimizer: its failed step's allreduces are gone
+            abandon()
+        super().sync()
+
+
+class _ModelHandler(_Handler):
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+_LR_SCHEDULER = getattr(torch.optim.lr_scheduler, "LRScheduler",
+                        getattr(torch.optim.lr_scheduler, "_LRScheduler", None))
+_HANDLERS: list[tuple[type, type[_Handler]]] = [
+    (torch.nn.Module, _ModelHandler),
+    (torch.optim.Optimizer, _OptimizerHandler),
+    *([(_LR_SCHEDULER, _Handler)] if _LR_SCHEDULER is not None else []),
+    (ElasticSampler, _Handler),
+]
+
+
+class TorchState(ObjectState):
+    """The state of a torch training (Horovod's ``TorchState``): ``model``, ``optimizer`` and
+    every keyword argument become attributes; models, optimizers, LR schedulers and
+    :class:`ElasticSampler` s are handled as the module doc says, other values are plain ones.
+    Assigning a new object to a handled attribute tracks (and saves) the new one."""
+
+    def __init__(self, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
+        kwargs.update(model=model, optimizer=optimizer)
+        handlers: dict[str, _Handler] = {}
+        plain: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            kind = next((h for t, h in _HANDLERS if isinstance(value, t)), None)
+            if kind is None:
+                plain[name] = value
+            else:
+                handlers[name] = kind(value)
+        object.__setattr__(self, "_handlers", handlers)
+        for name, handler in handlers.items():
+            object.__setattr__(self, name, handler.value)
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **plain)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers:
+            handlers[name] = type(handlers[name])(value)
+        object.__setattr__(self, name, value)
