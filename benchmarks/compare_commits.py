@@ -3,8 +3,9 @@
     python benchmarks/compare_commits.py OLD [NEW] [--rounds 3] [--skip-ddp]
 
 Checks both commits out into temporary worktrees (``git worktree add --detach``; removed at the
-end) and runs each measurement for OLD, then NEW, then OLD, ... ``--rounds`` times, so that both
-see the same machine load. The measuring code is this file's (the same for both); only
+end) and runs each measurement for OLD then NEW, then NEW then OLD, ... (ABBA) ``--rounds``
+times, so that both see the same machine load (always OLD first once put a loaded host's 1.7x on
+the newer commit alone: RESULTS.md §18). The measuring code is this file's (the same for both); only
 ``ringflow`` comes from the commit, through ``PYTHONPATH``. Measurements, each through
 ``ringflow-run`` on this host:
 
@@ -127,7 +128,7 @@ def main() -> None:
         figures: dict[str, dict[str, list[float]]] = {w: {"old": [], "new": []} for w in whats}
         for rnd in range(args.rounds):
             for what in whats:
-                for label in ("old", "new"):
+                for label in ("old", "new") if rnd % 2 == 0 else ("new", "old"):  # ABBA
                     value = measure(trees[label][1], what)
                     figures[what][label].append(value)
                     print(f"round {rnd + 1} {what:<16} {label} {trees[label][0]}: {value:.3f}",
