@@ -45,7 +45,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
       "ringflow.single_process")),
     ("launchers: ringflow-run, ringflow.run, ssh, supervisors", ("ringflow.runner",)),
     ("the public API and what is built on it only",
-     ("ringflow", "ringflow._adapter", "ringflow.metrics", "ringflow.build", "ringflow.testing",
+     ("ringflow", "ringflow._adapter", "ringflow.compressed", "ringflow.metrics", "ringflow.build",
+      "ringflow.testing",
       "ringflow.ray")),
     ("framework adapters", ("ringflow.torch", "ringflow.tensorflow")),
 ]
