@@ -201,3 +201,11 @@ def test_timeline_shows_compress_exchange_decompress(tmp_path: Any) -> None:
     for label in ("COMPRESS", "EXCHANGE", "DECOMPRESS"):
         assert text.count(f'"name":"{label}"') == 2, label  # one per rank
     assert '"name":"w1"' in text  # the tensor's row
+
+
+def test_bad_configured_compression_names_the_variable() -> None:
+    from ringflow.config import Config
+
+    with pytest.raises(ConfigError, match="RINGFLOW_COMPRESSION: unknown compression 'zip'"):
+        Config.from_env({"RINGFLOW_COMPRESSION": "zip"})
+    assert Config.from_env({"RINGFLOW_COMPRESSION": "onebit"}).compression == "onebit"

@@ -154,3 +154,24 @@ def test_plain_collectives_refuse_a_compressor_with_state() -> None:
         return True
 
     assert run_engines(2, body, CONFIG, deadline=60) == [True, True]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_process_set_members_only(kind: str) -> None:
+    def body(r: int, rf: Any) -> Any:
+        ps = hvd.add_process_set([0, 2])
+        net = model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                       named_parameters=net.named_parameters(),
+                                       compression=KINDS[kind], process_set=ps)
+        for step in range(2):
+            x, y = batch(r, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in net.parameters()], sorted(opt._exchange.errors)
+
+    out = run_engines(3, body, CONFIG, deadline=120)
+    assert out[0][1] == out[2][1] == ["0.weight", "2.weight"] and out[1][1] == []
+    for a, b in zip(out[0][0], out[2][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
