@@ -426,11 +426,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 
     Arguments follow Horovod 0.28: ``named_parameters`` names the allreduces (recommended:
     ``model.named_parameters()``); ``compression`` (``Compression.fp16`` / ``bf16``) shortens the
-    wire format; ``backward_passes_per_step`` accumulates that many backward passes locally
-    before communicating; ``op`` is Average or Sum; ``gradient_predivide_factor`` splits the
-    average into a pre- and post-scale; ``groups`` (an int, or lists of parameters) reduces
-    parameters in groups (``num_groups`` is its deprecated alias); ``sparse_as_dense`` densifies
-    sparse gradients; ``process_set`` limits the exchange to some ranks.
+    wire format, ``Compression.powersgd(rank=)`` / ``randomk(fraction=)`` / ``onebit()`` /
+    ``auto()`` send far less with error feedback (:mod:`ringflow.compressed`; left at ``none``,
+    ``RINGFLOW_COMPRESSION`` chooses); ``backward_passes_per_step`` accumulates that many backward
+    passes locally before communicating; ``op`` is Average or Sum; ``gradient_predivide_factor``
+    splits the average into a pre- and post-scale; ``groups`` (an int, or lists of parameters)
+    reduces parameters in groups (``num_groups`` is its deprecated alias); ``sparse_as_dense``
+    densifies sparse gradients; ``process_set`` limits the exchange to some ranks.
 
     The returned object shares ``param_groups`` and ``state`` with ``optimizer`` and is an
     instance of ``type(optimizer)``.
@@ -440,6 +442,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             than Average, bad ``named_parameters`` or ``groups`` (Horovod's messages).
         AdasumError: ``op=Adasum`` (Horovod's delta-based Adasum optimizer is not implemented;
             ``allreduce(op=Adasum)`` is).
+        ConfigError: a compressor with state and an op other than Average or Sum.
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")

@@ -73,3 +73,23 @@ def test_tensorflow_graph_tape_and_keras() -> None:
     pytest.importorskip("tensorflow")
     out = run(sys.executable, str(ROOT / "tests/multiproc/compressed_workers/tf_tape.py"))
     assert out.count("PASS rank") == 2, out[-4000:]
+
+
+@pytest.mark.parametrize(("np_", "compression", "flags"), [
+    (2, "powersgd:rank=2", []),
+    (3, "randomk:fraction=0.2", ["--transport", "tcp"]),
+    (3, "onebit", []),
+    (4, "powersgd:rank=2", ["--transport", "tcp"]),
+])
+def test_closed_form_in_processes(np_: int, compression: str, flags: list[str]) -> None:
+    pytest.importorskip("torch")
+    env = {**ENV, "RINGFLOW_BUCKET_BYTES": "4096"}  # several buckets a step
+    cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(np_), *flags, "--compression",
+           f"{compression}:min_elements=256", sys.executable,
+           str(ROOT / "tests/multiproc/compressed_workers/torch_steps.py"),
+           f"{compression}:min_elements=256"]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("PASS rank") == np_, out[-4000:]
