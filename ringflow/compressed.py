@@ -171,7 +171,7 @@ class Exchange:
             return False
         shape = tuple(tensor.shape)
         numel = math.prod(shape)
-        if numel < self.options.min_elements or numel < self.kind.min_elements:
+        if numel < self.kind.min_elements:  # auto: its inner compressor's
             return False
         if isinstance(self.kind, PowerSGD):
             rows = shape[0] if len(shape) > 1 else 1

@@ -83,7 +83,8 @@ class _DistributedOptimizer:
             compression = Compression.by_name(compression.name) if compression.name in (
                 "none", "fp16", "bf16") else compression
         self._exchange: Exchange | None = None
-        self._in_exchange: list[Any] = []  # the batches started, for synchronize()
+        self._in_exchange: list[Any] = []  # batches whose first round is in flight
+        self._second_round: list[Any] = []  # batches whose second round is in flight
         if isinstance(compression, GradientCompression):
             pre, post = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
                          if op == Average else (1.0, 1.0))
@@ -229,8 +230,21 @@ class _DistributedOptimizer:
                 [self._parameter_names.get(p) for p in taken], [p.grad for p in taken]))
             for p in taken:
                 self._handles[p] = (_COMPRESSED, None)
+        self._advance()
         ids = {id(p) for p in taken}
         return tuple(p for p in keys if id(p) not in ids)
+
+    def _advance(self) -> None:
+        """Start the second round of each batch whose first round is done, while backward still
+        runs (it overlaps the rest of the pass; synchronize() starts the others)."""
+        waiting = []
+        for items in self._in_exchange:
+            if all(it.handle.poll() for it in items):
+                self._exchange.middle(items)  # type: ignore[union-attr]
+                self._second_round.append(items)
+            else:
+                waiting.append(items)
+        self._in_exchange = waiting
 
     def _flush(self) -> None:
         """The backward pass has ended: submit the gradients the batcher's bucket holds."""
@@ -338,9 +352,10 @@ class _DistributedOptimizer:
             self._handles[p] = self._allreduce_grad_async(p)
             self._clock.submitted(self._handles[p][0])
         if self._exchange is not None:
-            batches, self._in_exchange = self._in_exchange, []
-            for items in batches:  # every batch's second round in flight before any wait
+            for items in self._in_exchange:  # every second round in flight before any wait
                 self._exchange.middle(items)
+            batches = self._second_round + self._in_exchange
+            self._in_exchange, self._second_round = [], []
             for items in batches:
                 self._exchange.end(items)
         for key, (handle, ctx) in self._handles.items():

@@ -209,3 +209,24 @@ def test_bad_configured_compression_names_the_variable() -> None:
     with pytest.raises(ConfigError, match="RINGFLOW_COMPRESSION: unknown compression 'zip'"):
         Config.from_env({"RINGFLOW_COMPRESSION": "zip"})
     assert Config.from_env({"RINGFLOW_COMPRESSION": "onebit"}).compression == "onebit"
+
+
+@pytest.mark.parametrize("below", [1e9, 1e-9])
+def test_auto_between_hosts_measures_and_every_rank_decides_alike(below: float,
+                                                                  monkeypatch: Any) -> None:
+    from ringflow import compressed
+
+    monkeypatch.setattr(compressed.runtime, "cross_size", lambda: 2)  # as if on two hosts
+
+    def body(r: int, rf: Any) -> Any:
+        ex = Exchange(Compression.auto(Compression.randomk(0.5, min_elements=1), below))
+        x = grad("v", r, 0)
+        on = ex.compresses(x, "float32")
+        if on:
+            items = ex.start(["v"], [x])
+            ex.middle(items)
+            ex.end(items)
+        return on, ex.state_dict()["active"]
+
+    out = run_engines(3, body, deadline=60)
+    assert out == [(below > 1, below > 1)] * 3
