@@ -66,8 +66,10 @@ __all__ = ["HOST", "ArrayOps", "Exchange", "auto_decision", "configured"]
 
 log = logging.getLogger(__name__)
 
-#: Probe of ``auto``: an allreduce this large (the bus bandwidth of 2 MiB is within a few percent
-#: of 64 MiB's on TCP between hosts, RESULTS.md section 3) timed 3 times, the fastest kept.
+#: Probe of ``auto``: an allreduce this large, timed 3 times after a warm-up, the fastest kept.
+#: At the 2 Gbit/s bound one takes about 8 ms, so a round trip's fraction of a millisecond on a
+#: LAN shifts the measure by a few percent only (an estimate, not a measurement); at 100 Mbit/s
+#: the probe costs about 0.7 s once.
 PROBE_BYTES = 2 << 20
 
 
@@ -274,9 +276,11 @@ class Exchange:
         e = self.errors.get(it.name)
         m = m * 1 if e is None else m + e  # a copy: the result is written into x
         q = self.factors.get(it.name)
-        r = min(self.kind.rank, *m.shape)  # type: ignore[attr-defined]
+        kind = self.kind
+        assert isinstance(kind, PowerSGD)
+        r = min(kind.rank, *m.shape)
         if q is None or tuple(q.shape) != (m.shape[1], r):
-            seed = [self.kind.seed, zlib.crc32(it.name.encode())]  # type: ignore[attr-defined]
+            seed = [kind.seed, zlib.crc32(it.name.encode())]
             q = self.ops.from_host(np.random.default_rng(seed).standard_normal((m.shape[1], r)), m)
         it.values["m"] = m
         return self.ops.to_host(m @ q)
@@ -303,8 +307,10 @@ class Exchange:
             d += e
         step = self.steps.get(it.name, 0)
         self.steps[it.name] = step + 1
-        k = math.ceil(self.kind.fraction * d.size)  # type: ignore[attr-defined]
-        rng = np.random.default_rng([self.kind.seed, zlib.crc32(it.name.encode()), step])  # type: ignore[attr-defined]
+        kind = self.kind
+        assert isinstance(kind, RandomK)
+        k = math.ceil(kind.fraction * d.size)
+        rng = np.random.default_rng([kind.seed, zlib.crc32(it.name.encode()), step])
         index = np.sort(rng.choice(d.size, k, replace=False, shuffle=False))
         values = d[index]
         d[index] = 0

@@ -230,3 +230,21 @@ def test_auto_between_hosts_measures_and_every_rank_decides_alike(below: float,
 
     out = run_engines(3, body, deadline=60)
     assert out == [(below > 1, below > 1)] * 3
+
+
+@pytest.mark.parametrize("kind", ["powersgd", "randomk-all", "onebit"])
+def test_a_nan_on_one_rank_is_never_hidden(kind: str) -> None:
+    options = {"randomk-all": Compression.randomk(fraction=1.0, min_elements=1)}.get(
+        kind) or KINDS[kind]
+
+    def body(r: int, rf: Any) -> Any:
+        x = grad("w1", r, 0)
+        if r == 1:
+            x[3, 4] = np.nan
+        ex = Exchange(options)
+        items = ex.start(["w1"], [x])
+        ex.middle(items)
+        ex.end(items)
+        return bool(np.isnan(x).any())
+
+    assert run_engines(2, body, deadline=60) == [True, True]
