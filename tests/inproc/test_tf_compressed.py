@@ -1,6 +1,6 @@
 """TensorFlow's DistributedGradientTape with the compressors with state, ranks as threads.
 
-Eagerly, at 2 and 3 ranks: each compressed gradient is ``c * sum_w (D_w - e_w')`` from the
+Eagerly, at 2-4 ranks: each compressed gradient is ``c * sum_w (D_w - e_w')`` from the
 ranks' own gradients and errors (the state of :func:`exchange_for`, which persists across
 tapes), the small ones are exact, and every rank gets the same bits. A graph's ops run on
 TensorFlow's threads, which no rank's engine is bound to: the graph path is tested with
@@ -26,7 +26,7 @@ OPTIONS = {"powersgd": hvd.Compression.powersgd(rank=2, min_elements=64),
            "randomk": hvd.Compression.randomk(fraction=0.3, min_elements=64)}
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("kind", sorted(OPTIONS))
 def test_tape_result_is_the_closed_form(kind: str, n: int) -> None:
     options = OPTIONS[kind]

@@ -81,7 +81,7 @@ def server_error(out: list, step: int, name: str, shape: Any) -> Any:
     return torch.as_tensor(flat).reshape(shape).double()
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_optimizer_result_is_the_closed_form(n: int, kind: str) -> None:
     def body(r: int, rf: Any) -> Any:
