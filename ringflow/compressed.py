@@ -172,6 +172,8 @@ class Exchange:
         if not self.active or dtype not in ("float32", "float64"):
             return False
         shape = tuple(tensor.shape)
+        if None in shape:  # a graph's tensor of unknown size: exact
+            return False
         numel = math.prod(shape)
         if numel < self.kind.min_elements:  # auto: its inner compressor's
             return False

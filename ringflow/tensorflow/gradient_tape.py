@@ -109,6 +109,9 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None, *
         prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
     grads = list(grads)
     variables = list(variables) if variables is not None else [None] * len(grads)
+    stateful = configured(compression)  # a compressor with state takes dense gradients only
+    if isinstance(stateful, GradientCompression):
+        compression = Compression.none
     local = {id(v) for v in local_vars}
     out: list[Any] = list(grads)
     dense: list[int] = []
@@ -134,13 +137,13 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None, *
     if not dense:
         return out
     compressed: list[int] = []
-    compression = configured(compression)
-    if isinstance(compression, GradientCompression):
-        ex = exchange_for(compression, op, prescale, postscale, process_set, prefix)
+    if isinstance(stateful, GradientCompression):
+        ex = exchange_for(stateful, op, prescale, postscale, process_set, prefix)
         if process_set.size() > 1:  # one rank exchanges nothing (the torch optimizer's rule)
             compressed = [i for i in dense if ex.compresses(out[i], out[i].dtype.name)]
         dense = [i for i in dense if i not in compressed]
-        compression = Compression.none
+    else:
+        compression = stateful  # RINGFLOW_COMPRESSION's fp16 / bf16 where the call asked none
     tag = f"{zlib.crc32('|'.join(labels).encode()):08x}"
     for k, group in enumerate(_batches(len(dense), [variables[i] for i in dense], num_groups,
                                        groups)):

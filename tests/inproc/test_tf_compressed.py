@@ -71,3 +71,20 @@ def test_tape_result_is_the_closed_form(kind: str, n: int) -> None:
         for r in range(1, n):
             for a, c in zip(out[r][s][3], out[0][s][3], strict=True):
                 np.testing.assert_array_equal(a, c)
+
+
+def test_sparse_gradients_take_the_exact_sparse_path() -> None:
+    def body(r: int, rf: Any) -> Any:
+        emb = tf.Variable(np.ones((50, 30), np.float32))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(emb, [1, 3 + r]) ** 2)
+        tape = hvd.DistributedGradientTape(tape, compression=OPTIONS["powersgd"])
+        (g,) = tape.gradient(loss, [emb])
+        return tf.convert_to_tensor(g).numpy()
+
+    out = run_engines(2, body, deadline=60)
+    expected = np.zeros((50, 30), np.float32)
+    expected[1] = 2.0  # both ranks: 2 * 1, averaged
+    expected[3] = expected[4] = 1.0  # one rank each: 2 * 1 / 2
+    np.testing.assert_allclose(out[0], expected)
+    np.testing.assert_array_equal(out[1], out[0])
