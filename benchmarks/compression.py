@@ -23,8 +23,10 @@ once, the order reversed every other round; the median steps/s per peer and its 
 PowerSGD, the final test accuracy of each (compression does not depend on the link).
 
 The record (``benchmarks/records.py``, benchmark ``compression``) has ``steps_per_s`` per place
-and peer (medians), ``ratio`` to ``ringflow`` there, ``accuracy`` per peer, and ``shared_host``:
-the host was shared with other developers' jobs, so compare ratios within one run only.
+and peer (medians), ``ratio`` to ``ringflow`` there, ``mb_sent_per_step`` (rank 0's link's
+``tx_bytes`` over the timed steps; on loopback, everything on ``lo``), ``accuracy`` per peer,
+and ``shared_host``: the host was shared with other developers' jobs, so compare ratios within
+one run only.
 """
 
 from __future__ import annotations
@@ -126,14 +128,21 @@ def worker(args: argparse.Namespace) -> None:
         with torch.no_grad():
             result["accuracy"] = float((model(x_te).argmax(1) == y_te).float().mean())
     else:
+        counter = f"/sys/class/net/{args.interface}/statistics/tx_bytes"  # this host's link
+
+        def sent() -> int:
+            with open(counter) as f:
+                return int(f.read())
+
         for i in range(args.warmup):
             step(*batches[i % len(batches)])
         barrier()
-        t0 = time.perf_counter()
+        t0, tx0 = time.perf_counter(), sent()
         for i in range(args.steps):
             step(*batches[i % len(batches)])
         barrier()
         result["steps_per_s"] = args.steps / (time.perf_counter() - t0)
+        result["mb_sent_per_step"] = (sent() - tx0) / args.steps / 1e6
     if rank == 0:
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
@@ -168,6 +177,7 @@ def job(args: argparse.Namespace, peer: str, launcher: list[str], master: str, i
 def rounds(args: argparse.Namespace, place: str, launcher: list[str], master: str,
            interface: str, env: dict[str, str], timeout: float) -> dict:
     runs: dict[str, list[float]] = {}
+    sent: dict[str, list[float]] = {}
     failed: set[str] = set()
     for r in range(args.rounds):
         order = PEERS if r % 2 == 0 else PEERS[::-1]
@@ -179,7 +189,9 @@ def rounds(args: argparse.Namespace, place: str, launcher: list[str], master: st
                 failed.add(peer)
                 continue
             runs.setdefault(peer, []).append(got["steps_per_s"])
-            print(f"  {place} round {r + 1} {peer}: {got['steps_per_s']:.3f} steps/s",
+            sent.setdefault(peer, []).append(got["mb_sent_per_step"])
+            print(f"  {place} round {r + 1} {peer}: {got['steps_per_s']:.3f} steps/s, "
+                  f"{got['mb_sent_per_step']:.2f} MB sent per step by rank 0's host",
                   file=sys.stderr, flush=True)
     medians = {p: statistics.median(v) for p, v in runs.items()}
     base = medians.get("ringflow")
@@ -188,6 +200,7 @@ def rounds(args: argparse.Namespace, place: str, launcher: list[str], master: st
                                    for p, v in medians.items())
           + (f"; failed: {', '.join(sorted(failed))}" if failed else ""), flush=True)
     return {"steps_per_s": {p: round(v, 4) for p, v in medians.items()}, "ratio": ratio,
+            "mb_sent_per_step": {p: round(statistics.median(v), 3) for p, v in sent.items()},
             "all": runs, "failed": sorted(failed)}
 
 
