@@ -2,7 +2,7 @@
 
     sudo python benchmarks/compression.py                      # 100mbit and 1gbit, mlp, 2 rounds
     sudo python benchmarks/compression.py --rates 100mbit --rounds 3 --model cnn
-    python benchmarks/compression.py --no-hosts                # loopback and accuracy only
+    python benchmarks/compression.py --accuracy                # accuracy only (loopback)
 
 Training steps of ``examples/pytorch_synthetic_benchmark.py``'s models (``mlp``: 25.2 M
 parameters, ~100 MB of float32 gradients a step; ``cnn``: 0.4 M) on scikit-learn's digits
@@ -20,7 +20,8 @@ value (``tests/multihost/netns_cluster.py``, as ``benchmarks/multihost.py``); (2
 ranks on this host (ringflow on shared memory, gloo on 127.0.0.1). Each round runs every peer
 once, the order reversed every other round; the median steps/s per peer and its ratio to
 ``ringflow`` are printed. Then (3) accuracy: ``--epochs`` epochs on loopback, uncompressed and
-PowerSGD, the final test accuracy of each (compression does not depend on the link).
+PowerSGD, the final test accuracy of each (compression does not depend on the link): with
+``--accuracy`` only, as a record of its own (``part``: ``speed`` or ``accuracy``).
 
 The record (``benchmarks/records.py``, benchmark ``compression``) has ``steps_per_s`` per place
 and peer (medians), ``ratio`` to ``ringflow`` there, ``mb_sent_per_step`` (rank 0's link's
@@ -207,12 +208,13 @@ def rounds(args: argparse.Namespace, place: str, launcher: list[str], master: st
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", nargs="*", default=["100mbit", "1gbit"])
-    p.add_argument("--no-hosts", action="store_true", help="loopback and accuracy only")
+    p.add_argument("--no-hosts", action="store_true", help="loopback only")
     p.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=10, help="accuracy runs; 0: none")
+    p.add_argument("--accuracy", action="store_true", help="the accuracy runs only")
+    p.add_argument("--epochs", type=int, default=10, help="of the accuracy runs")
     p.add_argument("--lr", type=float, default=0.01, help="for one rank; scaled by size")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--peer", help=argparse.SUPPRESS)
@@ -228,13 +230,15 @@ def main() -> int:
           "of one run, not figures of different runs", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    figures: dict = {"model": args.model, "shared_host": True, "rounds": args.rounds,
-                     "steps": args.steps}
+    figures: dict = {"model": args.model, "shared_host": True,
+                     "part": "accuracy" if args.accuracy else "speed"}
     local = [sys.executable, "-m", "ringflow.runner", "-np", "2"]
     per_step = 10 if args.model == "mlp" else 2  # seconds a step may take at 100 Mbit/s
     timeout = 120 + per_step * (args.steps + args.warmup) * 2
-    figures["loopback"] = rounds(args, "loopback", local, "127.0.0.1", "lo", env, timeout)
-    if not args.no_hosts:
+    if not args.accuracy:
+        figures.update(rounds=args.rounds, steps=args.steps)
+        figures["loopback"] = rounds(args, "loopback", local, "127.0.0.1", "lo", env, timeout)
+    if not args.no_hosts and not args.accuracy:
         reason = netns_cluster.unavailable()
         if reason is not None:
             print(f"namespace hosts skipped: {reason}", file=sys.stderr)
@@ -246,11 +250,11 @@ def main() -> int:
                         scale = 10 if rate.startswith("100m") else 1
                         figures[rate] = rounds(args, rate, launcher, c.addresses[0],
                                                c.interface, env, timeout * scale)
-    if args.epochs:
+    if args.accuracy:
         figures["accuracy"] = {}
         figures["epochs"] = args.epochs
         for peer in ("ringflow", "ringflow-powersgd"):
-            got = job(args, peer, local, "127.0.0.1", "lo", env, 600 + 120 * args.epochs,
+            got = job(args, peer, local, "127.0.0.1", "lo", env, 300 + 60 * args.epochs,
                       epochs=args.epochs)
             if got is not None:
                 figures["accuracy"][peer] = got["accuracy"]

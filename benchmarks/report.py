@@ -145,7 +145,7 @@ ROWS = (
         (("where", "2 hosts 1gbit"),)),
     Row("25 M MLP training, 2 namespace hosts at 100 Mbit/s, gradient compression "
         "(`sudo python benchmarks/compression.py`)", "compression", _compression,
-        (("model", "mlp"),)),
+        (("model", "mlp"), ("part", "speed"))),
     Row("fp16 compression of a 100 MB torch gradient (`benchmarks/cast_cost.py`)", "cast_cost",
         _casts, (("framework", "torch"),)),
 )
