@@ -106,6 +106,13 @@ def _casts(f: dict[str, Any]) -> str:
             "(compress / decompress)")
 
 
+def _compression(f: dict[str, Any]) -> str:
+    slow, loop = f["100mbit"]["steps_per_s"], f["loopback"]["ratio"]
+    return (f"PowerSGD rank 4: {_x(slow['ringflow-powersgd'], slow['ringflow'])} uncompressed, "
+            f"{_x(slow['ringflow-powersgd'], slow['ddp-fp16'])} DDP's fp16 hook; "
+            f"on loopback, auto {loop['ringflow-auto']:.2f}x uncompressed")
+
+
 ROWS = (
     Row("64 MiB allreduce, 2 ranks, ringflow vs mpi4py + Open MPI / vs gloo "
         "(`benchmarks/allreduce_peers.py --np 2`)", "allreduce_peers", _peers_large,
@@ -136,6 +143,9 @@ ROWS = (
     Row("Autotune, the same on 2 namespace hosts at 1 Gbit/s "
         "(`sudo python benchmarks/autotune_grid.py --hosts 2`)", "autotune_grid", _autotune,
         (("where", "2 hosts 1gbit"),)),
+    Row("25 M MLP training, 2 namespace hosts at 100 Mbit/s, gradient compression "
+        "(`sudo python benchmarks/compression.py`)", "compression", _compression,
+        (("model", "mlp"), ("part", "speed"))),
     Row("fp16 compression of a 100 MB torch gradient (`benchmarks/cast_cost.py`)", "cast_cost",
         _casts, (("framework", "torch"),)),
 )

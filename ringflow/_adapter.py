@@ -52,8 +52,8 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from . import ProcessSet, global_process_set, rank
-from .compression import Compression, Compressor
-from .errors import TensorError, UnsupportedError
+from .compression import Compression, Compressor, GradientCompression
+from .errors import ConfigError, TensorError, UnsupportedError
 from .ops import ReduceOp
 
 try:  # cloudpickle handles lambdas and local classes, as in Horovod; pickle otherwise
@@ -113,6 +113,11 @@ def compressed(compression: Any, tensors: Sequence[T],
     """
     if isinstance(compression, Compressor):
         return list(run(tensors, compression))
+    if isinstance(compression, GradientCompression):
+        raise ConfigError(
+            f"compression {compression.spec()!r} keeps state per gradient (error feedback) and "
+            "works in DistributedOptimizer / DistributedGradientTape / the Keras "
+            "DistributedOptimizer only; collectives take Compression.none, fp16 or bf16")
     pairs = [compression.compress(t) for t in tensors]
     outs = run([t for t, _ in pairs], Compression.none)
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs, strict=True)]

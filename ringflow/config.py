@@ -123,6 +123,10 @@ class Config:
     #: compression their call asked for (changes results: what ``--autotune-compression`` lets
     #: the autotuner choose, pinned); ``none``: as each call asks.
     wire_compression: str = "none"
+    #: The gradient compression of the optimizers whose ``compression=`` is left at its default
+    #: (``Compression.none``): ``none``, ``fp16``, ``bf16``, ``powersgd[:rank=R]``,
+    #: ``randomk[:fraction=F]``, ``onebit``, ``auto`` (:func:`ringflow.compression.parse`).
+    compression: str = "none"
     #: Tune fusion_threshold_bytes, cycle_time_ms, bucket_bytes, chunk_bytes (and
     #: wire_compression where autotune_compression allows) online from the measured step rate
     #: (:mod:`ringflow.autotune`); a knob set in the environment stays as set.
@@ -159,6 +163,12 @@ class Config:
             "autotune_warmup_samples": self.autotune_warmup_samples >= 0,
             "autotune_steps_per_sample": self.autotune_steps_per_sample >= 2,
         }
+        from .compression import parse  # the base layer, as this module
+
+        try:
+            parse(self.compression)
+        except ConfigError as exc:
+            raise _OutOfRange("compression", f"RINGFLOW_COMPRESSION: {exc}") from None
         for name, ok in checks.items():
             if not ok:
                 raise _OutOfRange(

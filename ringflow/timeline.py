@@ -86,11 +86,16 @@ _READY_KEPT = 64
 
 _clock: Callable[[], float] = time.perf_counter  # tests shift one rank's clock
 
+
+def clock() -> float:
+    """This rank's timeline clock (what :meth:`Timeline.span` takes)."""
+    return _clock()
+
 #: A finished operation: (process set, name, kind, called, planned, data plane start or None,
 #: done, tensors fused, error text); or an optimizer's step: ("step", first gradient ready,
 #: backward's end, exchange's end, metrics).
 Record = tuple[int, str, str, float, float, float | None, float, int, str] | tuple[
-    str, float, float, float, dict]
+    str, float, float, float, dict] | tuple[str, str, str, float, float]
 
 
 def rank_metadata() -> dict[str, Any]:
@@ -146,6 +151,11 @@ class Timeline:
     def step(self, overlap: Any) -> None:
         """An optimizer's step (:class:`ringflow.overlap.StepOverlap`)."""
         self._add(("step", overlap.start, overlap.backward_end, overlap.end, overlap.metrics()))
+
+    def span(self, row: str, label: str, start: float, end: float) -> None:
+        """A span of work outside the engine on row ``row`` (the compressed exchange's
+        COMPRESS / EXCHANGE / DECOMPRESS, :mod:`ringflow.compressed`); times of :func:`clock`."""
+        self._add(("span", row, label, start, end))
 
     def _add(self, record: Record) -> None:
         if self.writer is not None:
@@ -380,6 +390,11 @@ class TraceWriter:
     def _record(self, rank: int, record: Record, offset: float) -> None:
         if record[0] == "step":
             self._step(rank, record, offset)
+            return
+        if record[0] == "span":
+            _, row, label, start, end = record
+            start, end = (max(t - offset, self._t0) for t in (start, end))
+            self._complete(rank, self._row(rank, row), label, start, end, {})
             return
         ps, name, kind, called, planned, started, done, fused, error = record
         # Before the file was started (another rank's first call, made before rank 0 was up)

@@ -214,6 +214,12 @@ class Engine:
         if tl is not None:
             tl.step(overlap)
 
+    def record_span(self, row: str, label: str, start: float, end: float) -> None:
+        """Work outside the engine (the compressed exchange's phases), for the timeline."""
+        tl = self._timeline
+        if tl is not None:
+            tl.span(row, label, start, end)
+
     def timeline(self, path: str | None) -> None:
         """Start recording the job's timeline (rank 0 writes it to ``path``), or stop with None.
         Closing waits (rank 0: up to timeline.FINAL_WAIT_S) outside the control lock."""

@@ -193,7 +193,19 @@ TUNING: dict[str, tuple[str, Callable[[Any], str]]] = {
     "autotune_warmup_samples": ("RINGFLOW_AUTOTUNE_WARMUP_SAMPLES", str),
     "autotune_steps_per_sample": ("RINGFLOW_AUTOTUNE_STEPS_PER_SAMPLE", str),
     "autotune_compression": ("RINGFLOW_AUTOTUNE_COMPRESSION", str),
+    "compression": ("RINGFLOW_COMPRESSION", str),
 }
+
+
+def _compression(text: str) -> str:
+    """``--compression``'s value, checked here so that a typo fails before any worker starts."""
+    from ..compression import parse
+
+    try:
+        parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 class _Usage(ConfigError):
@@ -299,6 +311,10 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--autotune-compression", choices=("none", "fp16", "bf16"),
                       help="let the autotuner send large float32 allreduces in this 16-bit "
                            "format (changes results; default none: never)")
+    tune.add_argument("--compression", type=_compression, metavar="SPEC",
+                      help="gradient compression of the optimizers that ask for none: none, "
+                           "fp16, bf16, powersgd[:rank=R], randomk[:fraction=F], onebit, auto "
+                           "(changes results; RINGFLOW_COMPRESSION)")
     tune.add_argument("--gloo", action="store_true", help=argparse.SUPPRESS)
     tune.add_argument("--tcp", dest="tcp_flag", action="store_true", help=argparse.SUPPRESS)
     tune.add_argument("--gloo-timeout-seconds", type=float, metavar="S", help=argparse.SUPPRESS)

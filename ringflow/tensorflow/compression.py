@@ -40,11 +40,18 @@ class TFCompressor(core.Compressor):
 
 
 class Compression:
-    """Horovod's ``Compression`` namespace: ``none``, ``fp16``, and ringflow's ``bf16``."""
+    """Horovod's ``Compression`` namespace: ``none``, ``fp16``, and ringflow's ``bf16``; and the
+    gradient compressors with state for ``DistributedGradientTape`` and the Keras
+    ``DistributedOptimizer``: ``powersgd(rank=)``, ``randomk(fraction=)``, ``onebit()``,
+    ``auto()`` (:mod:`ringflow.compressed`)."""
 
     none = TFCompressor("none", core.Compression.none.wire)
     fp16 = TFCompressor("fp16", core.Compression.fp16.wire)
     bf16 = TFCompressor("bf16", core.Compression.bf16.wire)
+    powersgd = staticmethod(core.Compression.powersgd)
+    randomk = staticmethod(core.Compression.randomk)
+    onebit = staticmethod(core.Compression.onebit)
+    auto = staticmethod(core.Compression.auto)
 
     @classmethod
     def by_name(cls, name: str) -> TFCompressor:

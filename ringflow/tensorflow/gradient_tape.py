@@ -18,6 +18,13 @@ Names: eagerly ``<prefix>.<crc32 of the gradients' positions, dtypes and shapes>
 graph, ``<prefix>_Allreduce_g<k>`` under the current name scope, made unique by the graph.
 Variable names never enter a name: Keras numbers them per process, so they can differ by rank.
 ``use_generic_names`` is accepted for Horovod compatibility (names are always generic).
+
+A compressor with state (``Compression.powersgd`` / ``randomk`` / ``onebit`` / ``auto``) takes
+the dense gradients it compresses (:class:`ringflow.compressed.Exchange`, on numpy copies; in a
+graph inside one ``tf.py_function``, after the exact reduction of the others). Its state lives
+in :func:`exchange_for`'s registry, per compressor, reduce op, scales, process set and prefix,
+because Horovod's pattern wraps a new tape every step; its tensors are named by position, dtype
+and shape (``<prefix>.c<i>:<dtype><shape>``), as the generic names are.
 """
 
 from __future__ import annotations
@@ -26,15 +33,37 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
-from ringflow import Average, ProcessSet, ReduceOp, global_process_set
+from ringflow import Average, ProcessSet, ReduceOp, global_process_set, runtime
 from ringflow.batching import GradientBatcher
+from ringflow.compressed import HOST, Exchange, configured
+from ringflow.compression import GradientCompression
 from ringflow.errors import TensorError
 
 from .compression import Compression
 
-__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "allreduce_gradients"]
+__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "allreduce_gradients",
+           "exchange_for"]
+
+_EXCHANGES: dict[tuple[Any, ...], Exchange] = {}
+
+
+def exchange_for(compression: GradientCompression, op: ReduceOp | int = Average,
+                 prescale: float = 1.0, postscale: float = 1.0,
+                 process_set: ProcessSet = global_process_set,
+                 prefix: str = "DistributedGradientTape") -> Exchange:
+    """The :class:`~ringflow.compressed.Exchange` (error feedback, warm start) that
+    ``DistributedGradientTape(compression=...)`` / the Keras ``DistributedOptimizer`` use with
+    these arguments: its ``state_dict()`` / ``load_state_dict()`` save and restore it. One per
+    engine: a new ``init()`` starts afresh (and ranks as threads each have their own)."""
+    key = (id(runtime.running()), compression, int(ReduceOp(op)), prescale, postscale,
+           id(process_set), prefix)
+    if key not in _EXCHANGES:
+        _EXCHANGES[key] = Exchange(compression, HOST, ReduceOp(op), prescale, postscale,
+                                   process_set)
+    return _EXCHANGES[key]
 
 _plain = tf.autograph.experimental.do_not_convert
 
@@ -80,6 +109,9 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None, *
         prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
     grads = list(grads)
     variables = list(variables) if variables is not None else [None] * len(grads)
+    stateful = configured(compression)  # a compressor with state takes dense gradients only
+    if isinstance(stateful, GradientCompression):
+        compression = Compression.none
     local = {id(v) for v in local_vars}
     out: list[Any] = list(grads)
     dense: list[int] = []
@@ -104,6 +136,14 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None, *
             dense.append(i)
     if not dense:
         return out
+    compressed: list[int] = []
+    if isinstance(stateful, GradientCompression):
+        ex = exchange_for(stateful, op, prescale, postscale, process_set, prefix)
+        if process_set.size() > 1:  # one rank exchanges nothing (the torch optimizer's rule)
+            compressed = [i for i in dense if ex.compresses(out[i], out[i].dtype.name)]
+        dense = [i for i in dense if i not in compressed]
+    else:
+        compression = stateful  # RINGFLOW_COMPRESSION's fp16 / bf16 where the call asked none
     tag = f"{zlib.crc32('|'.join(labels).encode()):08x}"
     for k, group in enumerate(_batches(len(dense), [variables[i] for i in dense], num_groups,
                                        groups)):
@@ -113,7 +153,30 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None, *
                                 compression, process_set)
         for i, r in zip(idx, reduced, strict=True):
             out[i] = r
+    if compressed:
+        after = [out[i] for i in dense]  # in a graph: after the exact reduction (one order)
+        names = [f"{prefix}.c{i}:{out[i].dtype.name}{tuple(out[i].shape)}" for i in compressed]
+        for i, r in zip(compressed, _exchange(ex, names, [out[i] for i in compressed], after),
+                        strict=True):
+            out[i] = r
     return out
+
+
+def _exchange(ex: Exchange, names: list[str], tensors: list[Any], after: list[Any]) -> list[Any]:
+    def run(*values: Any) -> list[Any]:
+        arrays = [np.array(v) for v in values]
+        items = ex.start(names, arrays)
+        ex.middle(items)
+        ex.end(items)
+        return arrays
+
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(a) for a in run(*tensors)]
+    with tf.control_dependencies(after):
+        outs = tf.py_function(run, tensors, [t.dtype for t in tensors])
+    for o, t in zip(outs, tensors, strict=True):
+        o.set_shape(t.shape)
+    return list(outs)
 
 
 def _reduce_group(tensors: list[Any], name: str, op: ReduceOp, prescale: float,

@@ -21,7 +21,7 @@ import torch
 from ..compression import Compression as _Core
 from ..compression import Compressor
 
-__all__ = ["Compression", "TorchCompressor"]
+__all__ = ["TORCH_OPS", "Compression", "TorchCompressor"]
 
 _WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -46,8 +46,43 @@ class TorchCompressor(Compressor):
 
 
 class Compression:
-    """Optional gradient compression used while allreducing (Horovod's names, plus ``bf16``)."""
+    """Optional gradient compression used while allreducing (Horovod's names, plus ``bf16``),
+    and the gradient compressors with state, for ``DistributedOptimizer(compression=...)``:
+    ``powersgd(rank=)``, ``randomk(fraction=)``, ``onebit()``, ``auto()``
+    (:mod:`ringflow.compressed`)."""
 
     none = TorchCompressor("none", _Core.none.wire)
     fp16 = TorchCompressor("fp16", _Core.fp16.wire)
     bf16 = TorchCompressor("bf16", _Core.bf16.wire)
+    powersgd = staticmethod(_Core.powersgd)
+    randomk = staticmethod(_Core.randomk)
+    onebit = staticmethod(_Core.onebit)
+    auto = staticmethod(_Core.auto)
+
+    @classmethod
+    def by_name(cls, name: str) -> TorchCompressor:
+        return {"none": cls.none, "fp16": cls.fp16, "bf16": cls.bf16}[name]
+
+
+class _TorchOps:
+    """:class:`ringflow.compressed.ArrayOps` on torch tensors: PowerSGD's products and QR run on
+    the tensor's device; what travels is staged through host memory (it is small)."""
+
+    def to_host(self, x: Any) -> Any:
+        return x.detach().contiguous().cpu().numpy()
+
+    def from_host(self, a: Any, like: Any) -> Any:
+        if like is None:
+            return torch.from_numpy(a.copy())
+        return torch.as_tensor(a, dtype=like.dtype, device=like.device)
+
+    def write(self, x: Any, a: Any) -> None:
+        src = a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
+        with torch.no_grad():
+            x.copy_(src.reshape(x.shape))
+
+    def orthonormal(self, p: Any) -> Any:
+        return torch.linalg.qr(p).Q
+
+
+TORCH_OPS = _TorchOps()

@@ -22,6 +22,12 @@ After each step, ``step_overlap`` holds how much of its exchange the backward pa
 Averaging: ``op=Average`` with ``gradient_predivide_factor=f`` scales by ``1/f`` before the sum and
 by ``f/size`` after it (Horovod's split of the average). Compression ``fp16`` / ``bf16`` is done by
 the engine while it fuses, so the gradients are reduced in place with no temporary tensors.
+The compressors with state (``Compression.powersgd`` / ``randomk`` / ``onebit`` / ``auto``) are
+run by a :class:`ringflow.compressed.Exchange`: a bucket's compressible gradients start their
+exchange when the bucket is submitted, the second round and the results come in
+:meth:`synchronize`; the other gradients of the bucket are reduced exactly. Its state (error
+feedback, warm start) is in ``state_dict()["ringflow_compression"]``. Without ``compression=``,
+``RINGFLOW_COMPRESSION`` (``ringflow-run --compression``) chooses.
 
 The result is an instance of a class created on the fly that derives from the user's optimizer
 class, so ``isinstance(opt, torch.optim.SGD)`` still holds and ``state_dict()`` is unchanged.
@@ -40,11 +46,12 @@ import torch
 from .. import ProcessSet, global_process_set, runtime, size
 from .._adapter import broadcast_object
 from ..batching import Batch, BucketPolicy, GradientBatcher
-from ..compression import Compressor
+from ..compressed import Exchange, configured
+from ..compression import Compressor, GradientCompression
 from ..errors import AdasumError, RingflowError
 from ..ops import Adasum, Average, ReduceOp
 from ..overlap import StepClock, StepOverlap
-from .compression import Compression
+from .compression import TORCH_OPS, Compression
 from .mpi_ops import (
     allreduce_async_,
     allreduce_many_async_,
@@ -61,6 +68,7 @@ class OptimizerMisuseError(RingflowError, AssertionError):
 
 
 _PENDING = object()  # a handle slot whose gradient waits in the batcher's bucket
+_COMPRESSED = object()  # a handle slot whose gradient is in the compressed exchange
 
 
 class _DistributedOptimizer:
@@ -70,6 +78,18 @@ class _DistributedOptimizer:
                         backward_passes_per_step: int, op: ReduceOp,
                         gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
                         process_set: ProcessSet) -> None:
+        compression = configured(compression)
+        if isinstance(compression, Compressor):  # torch's compress()/decompress() on tensors
+            compression = Compression.by_name(compression.name) if compression.name in (
+                "none", "fp16", "bf16") else compression
+        self._exchange: Exchange | None = None
+        self._in_exchange: list[Any] = []  # batches whose first round is in flight
+        self._second_round: list[Any] = []  # batches whose second round is in flight
+        if isinstance(compression, GradientCompression):
+            pre, post = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
+                         if op == Average else (1.0, 1.0))
+            self._exchange = Exchange(compression, TORCH_OPS, op, pre, post, process_set)
+            compression = Compression.none  # what is not compressed is reduced exactly
         self._compression = compression
         if named_parameters is not None:
             named_parameters = list(named_parameters)
@@ -177,6 +197,9 @@ class _DistributedOptimizer:
 
     def _submit(self, batches: list[Batch[torch.Tensor]]) -> None:
         for keys, grouped in batches:
+            keys = self._start_compressed(keys)
+            if not keys:
+                continue
             if grouped:
                 for p in keys:
                     self._handles.pop(p, None)
@@ -189,6 +212,39 @@ class _DistributedOptimizer:
                 for p in keys:
                     self._handles[p] = self._allreduce_grad_async(p)
                     self._clock.submitted(self._handles[p][0])
+
+    def _start_compressed(self, keys: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Start the compressed exchange of the gradients of ``keys`` that the compressor takes
+        (the same ones on every rank: it decides by shape and dtype); the others, to reduce."""
+        if self._exchange is None:
+            return keys
+        taken = []
+        for p in keys:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if not grad.is_sparse and self._exchange.compresses(
+                    grad, str(grad.dtype).removeprefix("torch.")):
+                p.grad = grad
+                taken.append(p)
+        if taken:
+            self._in_exchange.append(self._exchange.start(
+                [self._parameter_names.get(p) for p in taken], [p.grad for p in taken]))
+            for p in taken:
+                self._handles[p] = (_COMPRESSED, None)
+        self._advance()
+        ids = {id(p) for p in taken}
+        return tuple(p for p in keys if id(p) not in ids)
+
+    def _advance(self) -> None:
+        """Start the second round of each batch whose first round is done, while backward still
+        runs (it overlaps the rest of the pass; synchronize() starts the others)."""
+        waiting = []
+        for items in self._in_exchange:
+            if all(it.handle.poll() for it in items):
+                self._exchange.middle(items)  # type: ignore[union-attr]
+                self._second_round.append(items)
+            else:
+                waiting.append(items)
+        self._in_exchange = waiting
 
     def _flush(self) -> None:
         """The backward pass has ended: submit the gradients the batcher's bucket holds."""
@@ -288,15 +344,24 @@ class _DistributedOptimizer:
             else:
                 completed.add(key)
         # Sorted by name so every rank submits its missing gradients in the same order.
-        for p in sorted(self._requires_update - completed,
-                        key=lambda q: self._parameter_names.get(q) or ""):
+        missing = sorted(self._requires_update - completed,
+                         key=lambda q: self._parameter_names.get(q) or "")
+        missing += [p for p, (handle, _) in self._handles.items()
+                    if handle is None or handle is _PENDING]
+        for p in self._start_compressed(tuple(missing)):
             self._handles[p] = self._allreduce_grad_async(p)
             self._clock.submitted(self._handles[p][0])
-        for p, (handle, _) in list(self._handles.items()):
-            if handle is None or handle is _PENDING:
-                self._handles[p] = self._allreduce_grad_async(p)
-                self._clock.submitted(self._handles[p][0])
+        if self._exchange is not None:
+            for items in self._in_exchange:  # every second round in flight before any wait
+                self._exchange.middle(items)
+            batches = self._second_round + self._in_exchange
+            self._in_exchange, self._second_round = [], []
+            for items in batches:
+                self._exchange.end(items)
         for key, (handle, ctx) in self._handles.items():
+            if handle is _COMPRESSED:
+                self._allreduce_delay[key] = self.backward_passes_per_step
+                continue
             if isinstance(key, tuple):
                 outputs = synchronize(handle)
                 for i, (gp, output) in enumerate(zip(key, outputs, strict=False)):
@@ -327,6 +392,27 @@ class _DistributedOptimizer:
                                               self.backward_passes_per_step)
         self._flush_queued = False
         self._synchronized = False
+        self._in_exchange, self._second_round = [], []  # compressed rounds of the failed step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's, with the compressor's state (error feedback, warm start:
+        each rank's own) under ``"ringflow_compression"`` when it compresses."""
+        state = super().state_dict()  # type: ignore[misc]
+        if self._exchange is not None:
+            state["ringflow_compression"] = self._exchange.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The wrapped optimizer's, and the compressor's state where it was saved.
+
+        Raises:
+            ConfigError: the saved state is another compressor's.
+        """
+        state_dict = dict(state_dict)
+        compressor = state_dict.pop("ringflow_compression", None)
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        if compressor is not None and self._exchange is not None:
+            self._exchange.load_state_dict(compressor)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -367,11 +453,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 
     Arguments follow Horovod 0.28: ``named_parameters`` names the allreduces (recommended:
     ``model.named_parameters()``); ``compression`` (``Compression.fp16`` / ``bf16``) shortens the
-    wire format; ``backward_passes_per_step`` accumulates that many backward passes locally
-    before communicating; ``op`` is Average or Sum; ``gradient_predivide_factor`` splits the
-    average into a pre- and post-scale; ``groups`` (an int, or lists of parameters) reduces
-    parameters in groups (``num_groups`` is its deprecated alias); ``sparse_as_dense`` densifies
-    sparse gradients; ``process_set`` limits the exchange to some ranks.
+    wire format, ``Compression.powersgd(rank=)`` / ``randomk(fraction=)`` / ``onebit()`` /
+    ``auto()`` send far less with error feedback (:mod:`ringflow.compressed`; left at ``none``,
+    ``RINGFLOW_COMPRESSION`` chooses); ``backward_passes_per_step`` accumulates that many backward
+    passes locally before communicating; ``op`` is Average or Sum; ``gradient_predivide_factor``
+    splits the average into a pre- and post-scale; ``groups`` (an int, or lists of parameters)
+    reduces parameters in groups (``num_groups`` is its deprecated alias); ``sparse_as_dense``
+    densifies sparse gradients; ``process_set`` limits the exchange to some ranks.
 
     The returned object shares ``param_groups`` and ``state`` with ``optimizer`` and is an
     instance of ``type(optimizer)``.
@@ -381,6 +469,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             than Average, bad ``named_parameters`` or ``groups`` (Horovod's messages).
         AdasumError: ``op=Adasum`` (Horovod's delta-based Adasum optimizer is not implemented;
             ``allreduce(op=Adasum)`` is).
+        ConfigError: a compressor with state and an op other than Average or Sum.
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")

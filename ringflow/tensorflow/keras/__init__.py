@@ -121,7 +121,11 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     ``optimizer.get_config()`` (wrap the optimizer before training: its state is not copied).
 
     Args:
-        compression: ``Compression.none``/``fp16``/``bf16``: the wire dtype of the gradients.
+        compression: ``Compression.none``/``fp16``/``bf16``: the wire dtype of the gradients;
+            ``Compression.powersgd(rank=)``/``randomk(fraction=)``/``onebit()``/``auto()``:
+            compressed with error feedback (:mod:`ringflow.compressed`; its state:
+            ``ringflow.tensorflow.gradient_tape.exchange_for``); left at ``none``,
+            ``RINGFLOW_COMPRESSION`` chooses.
         sparse_as_dense: densify ``IndexedSlices`` gradients before the allreduce.
         gradient_predivide_factor: divide by f before the sum and by size/f after (op=Average).
         op: Average (default) or Sum.

@@ -1,0 +1,90 @@
+"""TensorFlow's DistributedGradientTape with the compressors with state, ranks as threads.
+
+Eagerly, at 2-4 ranks: each compressed gradient is ``c * sum_w (D_w - e_w')`` from the
+ranks' own gradients and errors (the state of :func:`exchange_for`, which persists across
+tapes), the small ones are exact, and every rank gets the same bits. A graph's ops run on
+TensorFlow's threads, which no rank's engine is bound to: the graph path is tested with
+processes (tests/multiproc/test_compressed_processes.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import ringflow.tensorflow as hvd  # noqa: E402
+from ringflow.tensorflow.gradient_tape import exchange_for  # noqa: E402
+from ringflow.testing import run_engines  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+OPTIONS = {"powersgd": hvd.Compression.powersgd(rank=2, min_elements=64),
+           "randomk": hvd.Compression.randomk(fraction=0.3, min_elements=64)}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("kind", sorted(OPTIONS))
+def test_tape_result_is_the_closed_form(kind: str, n: int) -> None:
+    options = OPTIONS[kind]
+
+    def body(r: int, rf: Any) -> Any:
+        w = tf.Variable(np.linspace(-1, 1, 24 * 10, dtype=np.float32).reshape(24, 10))
+        b = tf.Variable(np.zeros(10, np.float32))
+
+        def grads(x: Any) -> Any:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.tanh(x @ w + b) ** 2)
+            raw = tape.gradient(loss, [w, b])
+            tape2 = tf.GradientTape()
+            with tape2:
+                loss = tf.reduce_sum(tf.tanh(x @ w + b) ** 2)
+            return raw, hvd.DistributedGradientTape(tape2, compression=options).gradient(
+                loss, [w, b])
+
+        step = grads
+        records = []
+        for s in range(3):
+            x = tf.constant(np.random.default_rng([r, s]).standard_normal((5, 24)), tf.float32)
+            ex = exchange_for(options)
+            before = {k: np.array(v) for k, v in ex.errors.items()}
+            raw, reduced = step(x)
+            after = {k: np.array(v) for k, v in ex.errors.items()}
+            records.append(([g.numpy() for g in raw], before, after,
+                            [g.numpy() for g in reduced]))
+        return records
+
+    out = run_engines(n, body, deadline=120)
+    for s in range(3):
+        name = next(iter(out[0][s][2]))
+        total = 0
+        for r in range(n):
+            raw, before, after, _ = out[r][s]
+            d = raw[0].astype(np.float64) + before.get(name, np.zeros(240)).reshape(24, 10)
+            total = total + d - after[name].reshape(24, 10)
+        np.testing.assert_allclose(out[0][s][3][0], total / n, atol=1e-5)
+        exact_b = sum(out[r][s][0][1] for r in range(n)) / n
+        np.testing.assert_allclose(out[0][s][3][1], exact_b, atol=1e-6)
+        for r in range(1, n):
+            for a, c in zip(out[r][s][3], out[0][s][3], strict=True):
+                np.testing.assert_array_equal(a, c)
+
+
+def test_sparse_gradients_take_the_exact_sparse_path() -> None:
+    def body(r: int, rf: Any) -> Any:
+        emb = tf.Variable(np.ones((50, 30), np.float32))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(emb, [1, 3 + r]) ** 2)
+        tape = hvd.DistributedGradientTape(tape, compression=OPTIONS["powersgd"])
+        (g,) = tape.gradient(loss, [emb])
+        return tf.convert_to_tensor(g).numpy()
+
+    out = run_engines(2, body, deadline=60)
+    expected = np.zeros((50, 30), np.float32)
+    expected[1] = 2.0  # both ranks: 2 * 1, averaged
+    expected[3] = expected[4] = 1.0  # one rank each: 2 * 1 / 2
+    np.testing.assert_allclose(out[0], expected)
+    np.testing.assert_array_equal(out[1], out[0])
