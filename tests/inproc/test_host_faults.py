@@ -178,12 +178,13 @@ def test_a_coordinator_out_of_reach_fails_with_its_workers_reason(monkeypatch):
     def deaf_coordinator(self: Engine) -> None:
         if self.rank != 0:
             return beat(self)
-        send = self._broadcast
-        self._broadcast = lambda msg: None if isinstance(msg, Heartbeat) else send(msg)
+        seat = self.seat  # the coordinator's heartbeats go out through its seat's broadcast
+        send = seat.broadcast
+        seat.broadcast = lambda msg: None if isinstance(msg, Heartbeat) else send(msg)
         try:
             return beat(self)
         finally:
-            del self._broadcast
+            del seat.broadcast
 
     monkeypatch.setattr(Engine, "_beat", deaf_coordinator)
 
