@@ -51,7 +51,7 @@ import math
 import time
 import zlib
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -185,13 +185,13 @@ class Exchange:
         return True
 
     def _decide(self) -> bool:
-        assert isinstance(self.options, Auto)
+        options = cast(Auto, self.options)  # only auto decides
         one_host = runtime.cross_size() == 1
         busbw = None if one_host else self._probe()
-        on = auto_decision(one_host, busbw, self.options.below_gbit)
+        on = auto_decision(one_host, busbw, options.below_gbit)
         log.info("compression auto: %s (%s)", self.kind.spec() if on else "off",
                  "one host" if one_host else f"bus bandwidth {busbw:.2f} Gbit/s, compressing "
-                 f"below {self.options.below_gbit} Gbit/s")
+                 f"below {options.below_gbit} Gbit/s")
         return on
 
     def _probe(self) -> float:
@@ -278,8 +278,7 @@ class Exchange:
         e = self.errors.get(it.name)
         m = m * 1 if e is None else m + e  # a copy: the result is written into x
         q = self.factors.get(it.name)
-        kind = self.kind
-        assert isinstance(kind, PowerSGD)
+        kind = cast(PowerSGD, self.kind)
         r = min(kind.rank, *m.shape)
         if q is None or tuple(q.shape) != (m.shape[1], r):
             seed = [kind.seed, zlib.crc32(it.name.encode())]
@@ -309,8 +308,7 @@ class Exchange:
             d += e
         step = self.steps.get(it.name, 0)
         self.steps[it.name] = step + 1
-        kind = self.kind
-        assert isinstance(kind, RandomK)
+        kind = cast(RandomK, self.kind)
         k = math.ceil(kind.fraction * d.size)
         rng = np.random.default_rng([kind.seed, zlib.crc32(it.name.encode()), step])
         index = np.sort(rng.choice(d.size, k, replace=False, shuffle=False))
