@@ -152,6 +152,12 @@ while len(threading.enumerate()) > 2 and time.monotonic() < end:
     time.sleep(0.01)
 final["threads"] = sorted(t.name for t in threading.enumerate())
 final["fds"] = len(os.listdir("/proc/self/fd"))
+def _link(f):
+    try:
+        return os.readlink(f"/proc/self/fd/{f}")
+    except OSError:
+        return "?"
+final["fdlist"] = sorted(map(_link, os.listdir("/proc/self/fd")))
 final["shm"] = [n for n in os.listdir("/dev/shm")
                 if n.startswith(f"rfj{os.environ['RINGFLOW_JOB_ID']}_")]
 with open(os.path.join(OUT, f"final-{WID}.json"), "w") as f:
