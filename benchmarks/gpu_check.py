@@ -396,9 +396,10 @@ def main() -> int:
 
     def tests() -> dict[str, Any]:
         code, out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/gpu"], 240)
+                          "-rfE", "tests/gpu"], 240)
         return {"returncode": code, "summary": out.strip().splitlines()[-1:],
-                "failures": [x for x in out.splitlines() if x.startswith("FAILED")]}
+                "failures": [x for x in out.splitlines() if x.startswith(("FAILED", "ERROR"))],
+                "output_tail": out[-8000:] if code else ""}
 
     if dev == "cuda":
         step("tests_gpu", tests)

@@ -18,7 +18,7 @@ import pytest
 
 from ringflow.testing import spawn_ranks
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.gpu]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.gpu]
 
 
 def _gpu_count() -> int:
