@@ -385,26 +385,32 @@ def eager_input(entry: Entry) -> np.ndarray | None:
     return flat if flat.dtype == wire else flat.astype(wire)
 
 
-def solo_allreduce(entry: Entry, timeout: float) -> Any:
+def solo_allreduce(entry: Entry) -> Any:
     """The allreduce of a job of one rank, in the submitting thread: the input cast to the wire
     dtype with its prescale, scaled by the postscale (Average over one rank), cast back; the
     arithmetic of the plan path (``reduce_parts`` of one part), without negotiation, a transport
-    or a communicator. Returns once the device, if any, has finished (``fence``)."""
+    or a communicator.
+
+    On a device the work is queued on the caller's current stream and not waited for: what the
+    caller queues next on that stream, or on the device's default stream (``ready`` orders it
+    after), sees the result, as after torch.distributed's NCCL ``all_reduce``. A wait here cost a
+    4 KiB allreduce on an H200 ~50 us of host time and stalled the queue of a training step."""
     req = entry.request
     ns = devices.namespace_of(entry.array) or HOST
     out = output_of(entry, req, ns)
     src, dst = ns.flat(entry.array), ns.flat(out)
     wire, factor = req.wire_dtype, req.postscale
     if ns.dtype(entry.array) == wire and req.prescale == 1.0 and factor == 1.0:
-        if dst is not src and out is not entry.array:
-            ns.copy(dst, src)
+        if dst is src or out is entry.array:
+            return out  # in place, nothing to do: the input is the result
+        ns.copy(dst, src)
     else:
         buf = ns.empty((math.prod(req.shape),), wire, entry.array)
         ns.copy(buf, src, req.prescale)
         if factor != 1.0:
             ns.copy(buf, buf, factor)
         ns.copy(dst, buf)
-    ns.fence(entry.array, timeout)
+    ns.ready(out)
     return out
 
 

@@ -46,7 +46,7 @@ class ArrayNamespace(Protocol):
 
     Arrays are C-contiguous where the core creates them; ``flat``/slicing/``reshape`` are views.
     Every method runs on the engine thread except :meth:`ready`, which runs in the submitting
-    thread.
+    thread, and what a job of one rank does in it (:func:`ringflow.executor.solo_allreduce`).
     """
 
     name: str
@@ -84,8 +84,9 @@ class ArrayNamespace(Protocol):
         """Copy the host array ``src`` into the device array ``dst`` (same size, dtype)."""
 
     def ready(self, a: Any) -> None:
-        """At submission, in the caller's thread: order ``a``'s pending writes before the
-        engine's work on the device (CUDA: the default stream waits for the current one)."""
+        """In the caller's thread: order ``a``'s pending writes before the engine's work on
+        the device (CUDA: the default stream waits for the current one). At submission, and
+        after a one-rank job's work queued in the caller."""
 
     def fence(self, like: Any, timeout: float) -> None:
         """Return once the device work this thread queued is done: by polling, never inside a

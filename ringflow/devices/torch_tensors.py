@@ -35,6 +35,10 @@ TO_NUMPY: dict[torch.dtype, np.dtype] = {
 TO_TORCH: dict[np.dtype, torch.dtype] = {v: k for k, v in TO_NUMPY.items()}
 
 
+#: Each CUDA device's default stream (``ready`` compares the current stream with it every call).
+_DEFAULT_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def host_view(a: np.ndarray) -> torch.Tensor:
     """The CPU tensor over the host array ``a``'s memory (bfloat16 through int16)."""
     if a.dtype == BFLOAT16:
@@ -114,7 +118,9 @@ class TorchNamespace:
     def ready(self, a: torch.Tensor) -> None:
         if a.is_cuda:
             current = torch.cuda.current_stream(a.device)
-            default = torch.cuda.default_stream(a.device)
+            default = _DEFAULT_STREAMS.get(a.device)
+            if default is None:
+                default = _DEFAULT_STREAMS[a.device] = torch.cuda.default_stream(a.device)
             if current != default:
                 default.wait_stream(current)
 

@@ -73,7 +73,7 @@ class Posts:
         on CPU, 0.4 ms on a GPU, and a 64 MiB one in place 66 us on CPU."""
         e = self.e
         try:
-            out = solo_allreduce(entry, e.backends.timeout_s)
+            out = solo_allreduce(entry)
         except Exception as exc:  # validated requests do not raise here; a device may
             e._done(entry.handle, error=ShutdownError(f"internal error in the engine: {exc!r}"))
         else:
