@@ -398,11 +398,12 @@ def solo_allreduce(entry: Entry) -> Any:
     req = entry.request
     ns = devices.namespace_of(entry.array) or HOST
     out = output_of(entry, req, ns)
-    src, dst = ns.flat(entry.array), ns.flat(out)
     wire, factor = req.wire_dtype, req.postscale
-    if ns.dtype(entry.array) == wire and req.prescale == 1.0 and factor == 1.0:
-        if dst is src or out is entry.array:
-            return out  # in place, nothing to do: the input is the result
+    plain = ns.dtype(entry.array) == wire and req.prescale == 1.0 and factor == 1.0
+    if plain and out is entry.array:
+        return out  # in place, nothing to do: the input is the result
+    src, dst = ns.flat(entry.array), ns.flat(out)
+    if plain:
         ns.copy(dst, src)
     else:
         buf = ns.empty((math.prod(req.shape),), wire, entry.array)
