@@ -13,6 +13,9 @@ One process, one rank. Prints, as JSON lines:
   in-place 4 KiB calls (cProfile inflates Python calls; the list shows where, not how much);
 * the cost of the CUDA calls the submission path makes (stream queries, an event's record and
   query), microseconds each.
+
+On CUDA it appends a record (benchmarks/records.py; ``BENCH_RECORDS=$OUT/records.jsonl`` on a
+lent machine brings it back): the medians, microseconds, per size and case.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import records  # this directory's (a script's first path)
 
 
 def _sync(device: str) -> None:
@@ -62,6 +67,7 @@ def main() -> None:
     hvd.init()
     dist.init_process_group("nccl" if dev == "cuda" else "gloo", store=dist.HashStore(),
                             rank=0, world_size=1)
+    figures: dict[str, Any] = {"device": dev}
     for label, nbytes in (("4KiB", 4096), ("64MiB", 64 << 20)):
         t = torch.ones(nbytes // 4, device=dev)
         calls = args.calls if nbytes == 4096 else max(args.calls // 20, 10)
@@ -77,6 +83,7 @@ def main() -> None:
                 rounds[what].append(_per_call(fn, calls, dev))
         med = {k: statistics.median(v) for k, v in rounds.items()}
         base = med["torch all_reduce"]
+        figures[label] = {k: round(v, 2) for k, v in med.items()}
         print(json.dumps({"size": label, "us": {k: round(v, 2) for k, v in med.items()},
                           "ratio_to_torch": {k: round(v / base, 2) for k, v in med.items()},
                           "rounds": rounds}), flush=True)
@@ -108,6 +115,9 @@ def main() -> None:
                           for k, fn in probes.items()}), flush=True)
     dist.destroy_process_group()
     hvd.shutdown()
+    if dev == "cuda":
+        figures["gpu"] = torch.cuda.get_device_name(0)
+        records.append("gpu_call_cost", figures)
 
 
 def _event(torch: Any) -> bool:

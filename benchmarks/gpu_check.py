@@ -23,6 +23,8 @@ Steps, each timed and bounded; a failing step is reported and the rest still run
 It ends with one line, ``GPU CHECK: ...``, the figures the issue's goals name. ``--out`` writes
 the whole record as JSON (command, commit, date, machine, figures). With ``--device cpu`` the
 same code runs on CPU tensors (NCCL's comparisons are skipped): run it before spending GPU time.
+On CUDA it also appends a record (benchmarks/records.py) of those figures: on a lent machine,
+``BENCH_RECORDS=$OUT/records.jsonl`` brings it back to append here.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import records  # this directory's (a script's first path)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -413,7 +417,29 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     print(summary(record), flush=True)
+    if dev == "cuda":
+        records.append("gpu_check", figures(record))
     return 0
+
+
+def figures(r: dict[str, Any]) -> dict[str, Any]:
+    """The record's figures (benchmarks/records.py): what the issue's goals name."""
+    def get(step: str, *path: str) -> Any:
+        value: Any = r.get(step)
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    return {
+        "gpu": get("environment", "gpu"), "tests_gpu": (get("tests_gpu", "summary") or [""])[0],
+        "train_max_diff": {n: get(f"train_{n}_rank", "max_diff_vs_one_process") for n in (1, 2)},
+        "ddp_max_diff": {n: get(f"ddp_{n}_rank", "max_diff_vs_one_process") for n in (1, 2)},
+        "resnet50_vs_no_exchange": get("resnet50_1_rank", "ratio"),
+        "allreduce_vs_torch_nccl": {k: get("allreduce_1_rank", k, "ratio")
+                                    for k in ("4KiB", "64MiB")},
+        "gloo_over_ringflow_2_ranks_64MiB": get("allreduce_2_ranks_vs_gloo",
+                                                "ratio_gloo_over_ringflow"),
+    }
 
 
 def summary(r: dict[str, Any]) -> str:

@@ -113,6 +113,18 @@ def _compression(f: dict[str, Any]) -> str:
             f"on loopback, auto {loop['ringflow-auto']:.2f}x uncompressed")
 
 
+def _gpu(f: dict[str, Any]) -> str:
+    a = f["allreduce_vs_torch_nccl"]
+    return (f"{f['resnet50_vs_no_exchange']:.3f}x img/s; {a['4KiB']:.2f}x / {a['64MiB']:.2f}x "
+            f"the time of torch's NCCL; gloo {f['gloo_over_ringflow_2_ranks_64MiB']:.2f}x "
+            "ringflow's time")
+
+
+def _gpu_calls(f: dict[str, Any]) -> str:
+    ours = [f[k]["allreduce_ Sum"] / f[k]["torch all_reduce"] for k in ("4KiB", "64MiB")]
+    return f"{ours[0]:.2f}x / {ours[1]:.2f}x the time of torch's NCCL"
+
+
 ROWS = (
     Row("64 MiB allreduce, 2 ranks, ringflow vs mpi4py + Open MPI / vs gloo "
         "(`benchmarks/allreduce_peers.py --np 2`)", "allreduce_peers", _peers_large,
@@ -148,6 +160,11 @@ ROWS = (
         (("model", "mlp"), ("part", "speed"))),
     Row("fp16 compression of a 100 MB torch gradient (`benchmarks/cast_cost.py`)", "cast_cost",
         _casts, (("framework", "torch"),)),
+    Row("CUDA on one NVIDIA H200, 1 rank: synthetic ResNet-50 (batch 64) vs no exchange; "
+        "`hvd.allreduce_` of 4 KiB / 64 MiB vs torch.distributed's NCCL; 64 MiB at 2 ranks "
+        "sharing the GPU (staged) vs gloo (`benchmarks/gpu_check.py`)", "gpu_check", _gpu),
+    Row("the same `hvd.allreduce_` in a process of its own (`benchmarks/gpu_call_cost.py`)",
+        "gpu_call_cost", _gpu_calls),
 )
 
 
