@@ -25,12 +25,16 @@ import cProfile
 import json
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import records  # this directory's (a script's first path)
+
+# This checkout's ringflow, after PYTHONPATH's (another commit's, to compare) and an installed one.
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
 def _sync(device: str) -> None:
