@@ -332,6 +332,8 @@ class Backends:
     def close(self, linger: float = 2.0) -> None:
         if self.nccl is not None:
             self.nccl.close()
+        if self.lane is not None:
+            self.lane.close()
         if self.shm is not None:
             self.shm.close()
         self.transport.close(linger)

@@ -81,6 +81,14 @@ class Lane:
         self._last = 0  # the commit this rank's last committed post belonged to
         self._views: dict[tuple[int, np.dtype], list[np.ndarray]] = {}  # (size, dtype) -> slots
 
+    def close(self) -> None:
+        """Release every view of the segments this object made, so that their mappings (and
+        the descriptor each holds) close with :meth:`ShmAllreduce.close`; the lane is unusable
+        after (an elastic survivor closes a generation's and goes on in the same process)."""
+        for words in self._words:
+            words.release()
+        self._data, self._views, self._maps = [], {}, []
+
     # --- the busy word: written by its rank alone, read by the others without the lock ---------
     def set_busy(self, busy: bool) -> None:
         self._mine[_BUSY] = busy

@@ -517,6 +517,10 @@ class ShmAllreduce:
         return Lane(self.rank, self._lane, self._lane[0].fd)
 
     def close(self) -> None:
+        """Unmap every segment (the lane's :meth:`~ringflow.lane.Lane.close` first: a view
+        still alive keeps its mapping, and the descriptor Python's mmap holds, until the
+        garbage collector frees the view) and remove what a killed rank left."""
+        self._words = None
         for seg in self._segs + self._flags + self._lane:
             seg.close()
         self._segs, self._flags, self._lane = [], [], []

@@ -139,3 +139,4 @@ class Posts:
         if self.posted is not None:
             self.lane.withdraw()
             self.posted = None
+        self.lane = None  # the backends close it at shutdown

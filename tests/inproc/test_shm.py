@@ -157,6 +157,41 @@ def test_segments_are_owner_only_and_unlinked_once_mapped(tmp_path):
                                                         ReduceOp.SUM))
 
 
+def _mapped(names: set[str]) -> list[str]:
+    """This process's descriptors and mappings of the segments named ``names`` (a closed
+    segment leaves neither; Python's mmap holds a descriptor of its own while it is open)."""
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")]
+    with open("/proc/self/maps") as maps:
+        held += [line.split()[-1] for line in maps if "/dev/shm/" in line]
+    return [h for h in held if any(name in h for name in names)]
+
+
+def test_close_unmaps_every_segment_the_lane_and_the_flags_included():
+    """What a rank held of a job's shared memory is gone at close, though views of it (the
+    flag words, the lane's header words, an input view) were handed out; an elastic survivor
+    closes a generation and goes on in the same process."""
+    links: list = []
+
+    def body(rank: int, link: backends.Backends):
+        links.append(link)
+        assert link.lane is not None or not lane_supported()
+        view = link.shm.input_view(10, np.dtype(np.float32))
+        view[:] = 1
+        reduce(link, view, view, ReduceOp.SUM)
+        return float(view[0])
+
+    assert _ranks(3, 3, body) == [3.0] * 3
+    names = {link.shm._name for link in links}
+    assert _mapped(names) == []
+
+
+def lane_supported() -> bool:
+    from ringflow import lane
+
+    return lane.TSO
+
+
 def test_a_rank_that_never_arrives_times_out_naming_it():
     def body(rank: int, link):
         if rank == 1:

@@ -129,17 +129,8 @@ def no_workers_left(tmp_path: Path) -> None:
 NAMES = ["localhost", "127.0.0.1", socket.gethostname()]
 
 
-# A known leak (found 2026-11-27, not fixed yet): after a peer's death in a shared-memory
-# generation, a survivor may keep that generation's segments open (deleted /dev/shm names, their
-# memory held until the process exits: the final's "fdlist" shows them), so the two survivors'
-# descriptor counts differ (10 against 16). Not every run: xfail, not strict.
-SHM_LEAK = pytest.mark.xfail(reason="a survivor keeps a failed shared-memory generation's "
-                             "segments open (known leak)", strict=False)
-
-
 @pytest.mark.parametrize(("hosts", "victim"),
-                         [(NAMES, 1), (NAMES, 0),
-                          pytest.param(["localhost:3"], 1, marks=SHM_LEAK)],
+                         [(NAMES, 1), (NAMES, 0), (["localhost:3"], 1)],
                          ids=["rank1", "rank0", "shm-rank1"])
 def test_killed_worker_survivors_go_on_at_the_smaller_size(tmp_path, hosts, victim):
     start = time.monotonic()
