@@ -727,6 +727,13 @@ def _main_elastic(args: argparse.Namespace) -> int:
         return _error(str(exc))
     for line in [f"{PROG}: note: {note}" for note in args.notes] + messages:
         print(line, file=sys.stderr)
+    if args.network_interface:  # the workers on this machine listen there too
+        try:
+            from .netif import interface_ipv4
+
+            env = {**env, "RINGFLOW_BIND_ADDR": interface_ipv4(args.network_interface)}
+        except LaunchError as exc:
+            return _error(str(exc))
     cooldown = args.blacklist_cooldown_range
     settings = ElasticSettings(
         min_np=args.min_np, max_np=args.max_np,
@@ -734,7 +741,8 @@ def _main_elastic(args: argparse.Namespace) -> int:
         if os.sep in args.host_discovery_script else args.host_discovery_script,
         slots_per_host=args.slots_per_host or 1, reset_limit=args.reset_limit,
         cooldown=None if cooldown is None else (cooldown[0], cooldown[1]),
-        elastic_timeout_s=args.elastic_timeout or 600.0)
+        elastic_timeout_s=args.elastic_timeout or 600.0, ssh=_ssh_options(args),
+        network_interface=args.network_interface)
     with _launcher_logging(args.log_level, args.verbose):
         try:
             return run_elastic(args.command, settings, base_env=env, handle_signals=True,
@@ -743,17 +751,21 @@ def _main_elastic(args: argparse.Namespace) -> int:
             return _error(str(exc), 1)
 
 
+def _ssh_options(args: argparse.Namespace) -> SshOptions:
+    return SshOptions(
+        port=args.ssh_port, identity_file=args.ssh_identity_file,
+        config_file=args.ssh_config_file, host_key_checking=not args.disable_host_key_checking,
+        export=tuple(args.export_names), bind_interface=args.network_interface,
+    )
+
+
 def _run(args: argparse.Namespace, workers: list[Any], where: list[str],
          env: dict[str, str]) -> int:
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(errors="replace")
-    ssh = SshOptions(
-        port=args.ssh_port, identity_file=args.ssh_identity_file,
-        config_file=args.ssh_config_file, host_key_checking=not args.disable_host_key_checking,
-        export=tuple(args.export_names), bind_interface=args.network_interface,
-    )
+    ssh = _ssh_options(args)
     log.debug("%d workers on %s: %s", len(workers), ", ".join(where), args.command)
     try:
         result = run_job(

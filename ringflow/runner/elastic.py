@@ -30,12 +30,18 @@ member left (the in-memory state is gone), past the reset limit, or below ``--mi
 longer than ``--elastic-timeout``; a member that does not ask within ``--elastic-timeout``
 while its peers wait is stopped.
 
-Workers run on this machine only (under the supervisor, with the environment contract of
-:mod:`.launch`, plus ``RINGFLOW_ELASTIC_ID`` and ``RINGFLOW_ELASTIC_TIMEOUT_S``). Each has a job
-id of its own (``RINGFLOW_JOB_ID``, which names its shared-memory segments): the supervisor of a
-worker that died removes that worker's names in /dev/shm, never its live peers'. A listed host
-that is not this machine is ignored with a warning. Output lines are prefixed with the worker
-id, which stays while ranks change.
+Workers run under the supervisor, on this machine or over ssh on the listed host (the remote
+bootstrap of :mod:`.remote`, as ``-H`` jobs do; ``-p``, ``-i``, ``--ssh-config-file``, ``-x``
+apply), with the environment contract of :mod:`.launch`, plus ``RINGFLOW_ELASTIC_ID`` and
+``RINGFLOW_ELASTIC_TIMEOUT_S``. Each has a job id of its own (``RINGFLOW_JOB_ID``, which names its
+shared-memory segments): the supervisor of a worker that died removes that worker's names in
+/dev/shm, never its live peers'. Output lines are prefixed with the worker id, which stays while
+ranks change.
+
+Where the store listens is decided once, at the start: on ``--network-interface``'s address if
+given, else on the address that reaches the first other host the discovery script lists then,
+else (only this machine listed) on 127.0.0.1, and then a host that is not this machine, listed
+later, is ignored with a warning that says to pass ``--network-interface``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ from ..topology import RankInfo, place
 from ..world import format_assignment
 from .hosts import Host, WorkerSpec, is_local, parse_hosts
 from .launch import DEFAULT_GRACE_S, LocalJob, start_store
+from .netif import interface_ipv4, store_address
+from .ssh import SshOptions
 
 __all__ = ["ElasticSettings", "discover", "run_elastic"]
 
@@ -78,6 +86,10 @@ class ElasticSettings:
     cooldown: tuple[float, float] | None = None
     elastic_timeout_s: float = 600.0
     poll_s: float = 1.0
+    #: How workers on other hosts are reached (``-p``, ``-i``, ``--ssh-config-file``, ``-x``).
+    ssh: SshOptions = dataclasses.field(default_factory=SshOptions)
+    #: ``--network-interface``: where the store listens (see the module doc).
+    network_interface: str | None = None
 
 
 def discover(script: str, slots_per_host: int, timeout_s: float = 10.0) -> dict[str, int]:
@@ -127,7 +139,14 @@ class _Driver:
         self.command, self.settings = list(command), settings
         self.base_env, self.stdout, self.stderr = dict(base_env), stdout, stderr
         self.grace_s = grace_s
-        self.secret, self.server = start_store([], None, start_timeout_s)
+        if settings.ssh.connect_timeout is None:
+            settings = dataclasses.replace(settings, ssh=dataclasses.replace(
+                settings.ssh, connect_timeout=start_timeout_s))
+            self.settings = settings
+        self.secret, self.server = start_store([], None, start_timeout_s,
+                                               host=self._listen_on(settings))
+        #: The store is on loopback: hosts other than this machine cannot join.
+        self.local_only = self.server.host == "127.0.0.1"
         from ..rendezvous import TCPStore
 
         self.store = TCPStore(self.server.host, self.server.port, self.secret, start_timeout_s)
@@ -150,6 +169,17 @@ class _Driver:
         self._closed = threading.Event()
         self.started = time.monotonic()
 
+    @staticmethod
+    def _listen_on(settings: ElasticSettings) -> str:
+        """The store's address (see the module doc): it cannot move once workers know it."""
+        if settings.network_interface:
+            return interface_ipv4(settings.network_interface)
+        try:
+            first = discover(settings.discovery_script, settings.slots_per_host)
+        except LaunchError:
+            first = {}  # the loop says so, every poll
+        return store_address([h for h in first if not is_local(h)])
+
     # discovery, on a thread of its own: a slow script must not delay the loop ---------------
     def _discover(self) -> None:
         while not self._closed.is_set():
@@ -158,11 +188,13 @@ class _Driver:
             except LaunchError as exc:
                 log.warning("%s; keeping the hosts found before", exc)
             else:
-                for host in [h for h in found if not is_local(h)]:
+                for host in [h for h in found if self.local_only and not is_local(h)]:
                     if host not in self.warned:
                         self.warned.add(host)
-                        log.warning("elastic jobs start workers on this machine only for now; "
-                                    "ignoring host %r of the discovery script", host)
+                        log.warning("ignoring host %r of the discovery script: the job's store "
+                                    "listens on 127.0.0.1, since the script listed no other "
+                                    "host at the start; pass --network-interface NAME to let "
+                                    "other hosts join", host)
                     del found[host]
                 self.hosts = found
             self._closed.wait(self.settings.poll_s)
@@ -178,7 +210,7 @@ class _Driver:
                        rendezvous=(self.server.host, self.server.port),
                        job_id=f"{self.job_id}w{wid}",
                        base_env=env, stdout=self.stdout, stderr=self.stderr,
-                       grace_s=self.grace_s)
+                       grace_s=self.grace_s, ssh=self.settings.ssh)
         job.start()
         worker = _Worker(wid, host, slot, job)
         self.workers[wid] = worker

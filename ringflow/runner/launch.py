@@ -670,9 +670,11 @@ class _StatusReader:
 
 
 def start_store(
-    workers: Sequence[WorkerSpec], network_interface: str | None = None, timeout_s: float = 30.0
+    workers: Sequence[WorkerSpec], network_interface: str | None = None, timeout_s: float = 30.0,
+    host: str | None = None,
 ) -> tuple[bytes, Any]:
-    """A fresh job secret and a ``StoreServer`` on the address the workers can reach.
+    """A fresh job secret and a ``StoreServer`` on the address the workers can reach (``host``
+    where the caller decided it).
 
     Raises:
         LaunchError: no usable address, or the store could not listen.
@@ -681,8 +683,9 @@ def start_store(
     from ..rendezvous import StoreServer
     from .netif import store_address
 
-    host = store_address(sorted({w.host for w in workers if not is_local(w.host)}),
-                         network_interface)
+    if host is None:
+        host = store_address(sorted({w.host for w in workers if not is_local(w.host)}),
+                             network_interface)
     secret = wire.new_secret()
     try:
         return secret, StoreServer(secret, host=host, port=0, timeout=timeout_s)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from elastic_checks import finals, nothing_leaked, replay, samples_per_epoch, schedule
 
 import ringflow
 
@@ -28,7 +29,6 @@ WORKER = str(Path(__file__).parent / "elastic_workers" / "steps.py")
 TORCH_WORKER = str(Path(__file__).parent / "elastic_workers" / "torch_steps.py")
 TF_WORKER = str(Path(__file__).parent / "elastic_workers" / "tf_steps.py")
 KERAS_WORKER = str(Path(__file__).parent / "elastic_workers" / "keras_fit.py")
-P, SEED = 1_000_003, 11
 
 
 def elastic_run(tmp_path: Path, hosts: list[str], *flags: str, worker: str = WORKER,
@@ -53,64 +53,6 @@ def elastic_run(tmp_path: Path, hosts: list[str], *flags: str, worker: str = WOR
         out, err = proc.communicate()
         pytest.fail(f"the elastic job did not end within 120 s:\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def schedule(tmp_path: Path) -> list[tuple[int, int, int]]:
-    """(epoch, processed, size) of each committed step: where workers logged a step in several
-    generations (it was rolled back and redone), the latest one counts."""
-    steps: dict[int, dict] = {}
-    for path in tmp_path.glob("steps-*.jsonl"):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            old = steps.get(rec["step"])
-            if old is None or rec["gen"] > old["gen"]:
-                steps[rec["step"]] = rec
-            elif rec["gen"] == old["gen"]:
-                assert (rec["size"], rec["processed"]) == (old["size"], old["processed"])
-    assert sorted(steps) == list(range(len(steps))), "a step is missing from every log"
-    return [(steps[s]["epoch"], steps[s]["processed"], steps[s]["size"]) for s in sorted(steps)]
-
-
-def samples_per_epoch(tmp_path: Path) -> dict[int, list[int]]:
-    """The samples of the committed steps (each step's latest generation), per epoch."""
-    latest: dict[int, int] = {}
-    records = [json.loads(line) for path in tmp_path.glob("steps-*.jsonl")
-               for line in path.read_text().splitlines()]
-    for rec in records:
-        latest[rec["step"]] = max(latest.get(rec["step"], -1), rec["gen"])
-    seen: dict[int, list[int]] = {}
-    for rec in records:
-        if rec["gen"] == latest[rec["step"]] and rec["sample"] >= 0:
-            seen.setdefault(rec["epoch"], []).append(rec["sample"])
-    return seen
-
-
-def replay(plan: list[tuple[int, int, int]], length: int = 12, epochs: int = 2) -> int:
-    """The model the schedule gives, each sample once per epoch (asserted)."""
-    w = 7
-    seen: dict[int, list[int]] = {e: [] for e in range(epochs)}
-    for epoch, processed, size in plan:
-        order = list(range(length))
-        random.Random(SEED + epoch).shuffle(order)
-        taken = order[processed:processed + size]
-        seen[epoch] += taken
-        w = (w * 3 + sum(i + 1 for i in taken)) % P
-    for epoch in range(epochs):
-        assert sorted(seen[epoch]) == list(range(length)), (epoch, seen[epoch])
-    return w
-
-
-def finals(tmp_path: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("final-*.json"))]
-
-
-def nothing_leaked(ends: list[dict]) -> None:
-    """After its last shutdown() a worker holds the same threads and descriptors whatever the
-    number of generations it lived through, and no shared-memory name."""
-    for end in ends:
-        assert end["shm"] == [], end
-        assert not [t for t in end["threads"] if "engine" in t or "heartbeat" in t], end
-    assert len({(tuple(e["threads"]), e["fds"]) for e in ends}) == 1, ends
 
 
 def no_workers_left(tmp_path: Path) -> None:
