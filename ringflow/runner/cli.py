@@ -74,9 +74,9 @@ Spelling (origin)                         ringflow-run
 ``--log-without-timestamp``,
 ``--log-hide-timestamp``
 ``--host-discovery-script S``,            an elastic job (:mod:`ringflow.runner.elastic`):
-``--min-np``, ``--max-np``,               workers join and leave while it runs; on this
-``--slots-per-host``, ``--reset-limit``,  machine only for now (other hosts are ignored with a
-``--elastic-timeout``,                    warning)
+``--min-np``, ``--max-np``,               workers join and leave while it runs, on this
+``--slots-per-host``, ``--reset-limit``,  machine and over ssh on the other hosts listed
+``--elastic-timeout``,                    (``--network-interface``: where its store listens)
 ``--blacklist-cooldown-range``
 ``--nproc-per-node N``,                   ``-np N`` on this host; ``N`` may also be ``cpu`` (the
 ``--nproc_per_node N`` (torchrun)         CPUs this process may use), ``gpu`` (``nvidia-smi -L``)
