@@ -3,6 +3,7 @@
     sudo python benchmarks/compression.py                      # 100mbit and 1gbit, mlp, 2 rounds
     sudo python benchmarks/compression.py --rates 100mbit --rounds 3 --model cnn
     python benchmarks/compression.py --accuracy                # accuracy only (loopback)
+    python benchmarks/compression.py --no-hosts --peers ringflow ringflow-auto --rounds 8
 
 Training steps of ``examples/pytorch_synthetic_benchmark.py``'s models (``mlp``: 25.2 M
 parameters, ~100 MB of float32 gradients a step; ``cnn``: 0.4 M) on scikit-learn's digits
@@ -26,8 +27,9 @@ PowerSGD, the final test accuracy of each (compression does not depend on the li
 The record (``benchmarks/records.py``, benchmark ``compression``) has ``steps_per_s`` per place
 and peer (medians), ``ratio`` to ``ringflow`` there, ``mb_sent_per_step`` (rank 0's link's
 ``tx_bytes`` over the timed steps; on loopback, everything on ``lo``), ``accuracy`` per peer,
-and ``shared_host``: the host was shared with other developers' jobs, so compare ratios within
-one run only.
+``round_ratio`` per peer (the median over rounds of its steps/s over that round's
+``ringflow``: drift between rounds cancels), and ``shared_host``: the host was shared with other
+developers' jobs, so compare ratios within one run only.
 """
 
 from __future__ import annotations
@@ -180,8 +182,9 @@ def rounds(args: argparse.Namespace, place: str, launcher: list[str], master: st
     runs: dict[str, list[float]] = {}
     sent: dict[str, list[float]] = {}
     failed: set[str] = set()
+    peers = tuple(args.peers)
     for r in range(args.rounds):
-        order = PEERS if r % 2 == 0 else PEERS[::-1]
+        order = peers if r % 2 == 0 else peers[::-1]
         for peer in order:
             if peer in failed:
                 continue
@@ -197,18 +200,26 @@ def rounds(args: argparse.Namespace, place: str, launcher: list[str], master: st
     medians = {p: statistics.median(v) for p, v in runs.items()}
     base = medians.get("ringflow")
     ratio = {p: round(v / base, 3) for p, v in medians.items()} if base else {}
+    # Each round's ratio to that round's uncompressed run: the host's drift between rounds (a
+    # shared machine) cancels out of it.
+    paired = {p: [a / b for a, b in zip(v, runs["ringflow"], strict=False)]
+              for p, v in runs.items() if "ringflow" in runs and len(v) == len(runs["ringflow"])}
     print(f"{place}: " + ", ".join(f"{p} {v:.3f} steps/s ({ratio.get(p, 0):.2f}x)"
                                    for p, v in medians.items())
           + (f"; failed: {', '.join(sorted(failed))}" if failed else ""), flush=True)
     return {"steps_per_s": {p: round(v, 4) for p, v in medians.items()}, "ratio": ratio,
             "mb_sent_per_step": {p: round(statistics.median(v), 3) for p, v in sent.items()},
+            "round_ratio": {p: round(statistics.median(v), 3) for p, v in paired.items()},
             "all": runs, "failed": sorted(failed)}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", nargs="*", default=["100mbit", "1gbit"])
-    p.add_argument("--no-hosts", action="store_true", help="loopback only")
+    p.add_argument("--no-hosts", action="store_true",
+                   help="loopback only (a record of its own: part 'loopback')")
+    p.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
+                   help="the peers to run (default: all)")
     p.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
@@ -231,7 +242,8 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     figures: dict = {"model": args.model, "shared_host": True,
-                     "part": "accuracy" if args.accuracy else "speed"}
+                     "part": "accuracy" if args.accuracy else
+                     "loopback" if args.no_hosts else "speed"}
     local = [sys.executable, "-m", "ringflow.runner", "-np", "2"]
     per_step = 10 if args.model == "mlp" else 2  # seconds a step may take at 100 Mbit/s
     timeout = 120 + per_step * (args.steps + args.warmup) * 2

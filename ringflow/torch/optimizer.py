@@ -216,7 +216,7 @@ class _DistributedOptimizer:
     def _start_compressed(self, keys: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Start the compressed exchange of the gradients of ``keys`` that the compressor takes
         (the same ones on every rank: it decides by shape and dtype); the others, to reduce."""
-        if self._exchange is None:
+        if self._exchange is None or self._exchange.active is False:  # auto chose off
             return keys
         taken = []
         for p in keys:
