@@ -4,7 +4,8 @@
 The loop, the commit/restore/sync protocol and the sampler's arithmetic live in
 :mod:`ringflow.elastic`; this module only knows how to copy, load and send torch objects:
 
-* ``nn.Module``: ``state_dict()`` deep-copied at ``commit()``, loaded back at ``restore()``;
+* ``nn.Module``: ``state_dict()`` copied at ``commit()`` (into the previous commit's tensors),
+  loaded back at ``restore()``;
   ``sync()`` broadcasts rank 0's parameters and buffers in place (``broadcast_parameters``);
 * ``optim.Optimizer`` (a ``DistributedOptimizer`` too) and LR schedulers: their
   ``state_dict()`` likewise; ``sync()`` loads rank 0's whole ``state_dict`` (pickled, bit for
