@@ -1,0 +1,242 @@
+"""Elastic recovery against torchrun (issue 30): a worker SIGKILLed in the middle of a step, the
+time until the next step completes, and what saving the state every step costs.
+
+    python benchmarks/elastic_vs_torchrun.py [--rounds 3] [--model mlp] [--steps 14] [--kill-at 6]
+
+Three workers on this machine train ``examples/pytorch_synthetic_benchmark.py``'s model (``mlp``:
+25.2 M parameters; SGD with momentum; a synthetic batch of ``--batch-size`` a rank), alternating
+rounds of two peers, each launcher with its defaults except what the comparison needs:
+
+- ``ringflow``: ``ringflow-run --min-np 2 --max-np 3 --host-discovery-script`` (the script lists
+  ``localhost:3``), ``DistributedOptimizer``, ``hvd.elastic.TorchState(model, optimizer, step)``
+  and ``state.commit()`` after every step. The victim's death rolls the survivors back to the last
+  commit in memory; they go on at size 2 in the same processes.
+- ``torchrun``: three agents (``torchrun --nnodes 2:3 --nproc-per-node 1 --max-restarts 3
+  --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT``, one per "node"), DDP on gloo
+  (``GLOO_SOCKET_IFNAME=lo``: loopback only), a checkpoint every step (rank 0, ``torch.save`` of
+  the model, the optimizer and the step, then a rename). The victim's death makes the agents
+  restart every worker, which load the checkpoint (torchrun's documented way).
+
+At ``--kill-at`` the worker of rank 1 writes the time and SIGKILLs itself after its backward pass.
+Measured: from that time to the first step completed by the next world (the next generation; the
+restarted workers) (``kill_to_step_s``); each step's duration and each save's (``commit()``,
+which also agrees on host updates, an allreduce; or rank 0's checkpoint), before the kill:
+``save_cost`` is the median save over the median step without it. The record
+(``benchmarks/records.py``, benchmark ``elastic_vs_torchrun``) has both per peer (medians, and
+every round's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import records  # this directory's (a script's first path)
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ("ringflow", "torchrun")
+
+
+# --- the workers -------------------------------------------------------------------------------
+def _training(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch
+    import torch.nn.functional as F
+    from pytorch_synthetic_benchmark import build_model, synthetic_batch
+
+    torch.manual_seed(0)
+    model = build_model(args.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = synthetic_batch(args.model, args.batch_size)
+    return model, opt, (x, y), F.cross_entropy
+
+
+def _log(out: Path, who: str, **fields: Any) -> None:
+    with open(out / f"log-{who}.jsonl", "a") as f:
+        f.write(json.dumps(fields) + "\n")
+
+
+def _die(out: Path, step: int) -> None:
+    (out / "kill.json").write_text(json.dumps({"t": time.time(), "step": step}))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def ringflow_worker(args: argparse.Namespace) -> None:
+    import ringflow.torch as hvd
+    from ringflow import runtime
+
+    out = Path(args.out)
+    me = os.environ["RINGFLOW_ELASTIC_ID"]
+    hvd.init()
+    model, opt, (x, y), loss_fn = _training(args)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, opt, step=0)
+
+    @hvd.elastic.run
+    def train(state: Any) -> None:
+        while state.step < args.steps:
+            t0 = time.time()
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            if hvd.rank() == 1 and state.step == args.kill_at and not (out / "kill.json").exists():
+                _die(out, state.step)
+            opt.step()
+            state.step += 1
+            t1 = time.time()
+            state.commit()
+            _log(out, me, step=state.step, size=hvd.size(), start=t0, done=t1,
+                 save=time.time() - t1, world=runtime.world().generation)
+
+    train(state)
+    hvd.shutdown()
+
+
+def torchrun_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    out = Path(args.out)
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    model, opt, (x, y), loss_fn = _training(args)
+    ckpt = out / "checkpoint.pt"
+    step = 0
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    while step < args.steps:
+        t0 = time.time()
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        if rank == 1 and step == args.kill_at and not (out / "kill.json").exists():
+            _die(out, step)
+        opt.step()
+        step += 1
+        t1 = time.time()
+        save = None
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                       out / "checkpoint.tmp")
+            os.replace(out / "checkpoint.tmp", ckpt)
+            save = time.time() - t1
+        _log(out, f"{rank}-{restart}", step=step, size=size, start=t0, done=t1, save=save,
+             world=int(restart))
+    dist.destroy_process_group()
+
+
+# --- the jobs ----------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker_argv(args: argparse.Namespace, peer: str, out: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", peer, "--out", str(out),
+            "--model", args.model, "--steps", str(args.steps), "--kill-at", str(args.kill_at),
+            "--batch-size", str(args.batch_size)]
+
+
+def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="rf-elastic-bench-") as tmp:
+        out = Path(tmp)
+        if peer == "ringflow":
+            script = out / "hosts.sh"
+            script.write_text("#!/bin/sh\necho localhost:3\n")
+            script.chmod(0o755)
+            procs = [subprocess.Popen(
+                [sys.executable, "-m", "ringflow.runner", "--min-np", "2", "--max-np", "3",
+                 "--host-discovery-script", str(script), *_worker_argv(args, peer, out)],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+        else:
+            port = _free_port()
+            procs = [subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3",
+                 "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
+                 *_worker_argv(args, peer, out)[1:]],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                for _ in range(3)]
+        try:
+            errs = [p.communicate(timeout=args.timeout)[1] for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"{peer}: the job did not end within {args.timeout} s") from None
+        codes = [p.returncode for p in procs]
+        # torchrun: the victim's agent may end non-zero; the job is done when one ended 0.
+        if codes != [0] if peer == "ringflow" else 0 not in codes:
+            raise SystemExit(f"{peer}: exit codes {codes}:\n" + "\n".join(e[-2000:] for e in errs))
+        kill = json.loads((out / "kill.json").read_text())
+        logs = [json.loads(line) for path in out.glob("log-*.jsonl")
+                for line in path.read_text().splitlines()]
+    before = [r for r in logs if r["done"] < kill["t"]]
+    # The next world's first step (a survivor may still complete the victim's step, where its
+    # exchange was over before the kill: that is not a recovery).
+    world = max(r["world"] for r in before)
+    after = [r["done"] for r in logs if r["done"] > kill["t"] and r["world"] > world]
+    step_s = statistics.median(r["done"] - r["start"] for r in before)
+    save_s = statistics.median(r["save"] for r in before if r["save"] is not None)
+    got = {"kill_to_step_s": min(after) - kill["t"], "step_s": step_s, "save_s": save_s,
+           "save_cost": save_s / step_s, "sizes_after": sorted({r["size"] for r in logs
+                                                               if r["world"] > world})}
+    print(f"  {peer}: kill -> next step {got['kill_to_step_s']:.2f} s; step {step_s:.3f} s, "
+          f"save {save_s * 1e3:.1f} ms ({got['save_cost']:.1%}); size after "
+          f"{got['sizes_after']}", file=sys.stderr, flush=True)
+    return got
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--kill-at", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    p.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker == "ringflow":
+        ringflow_worker(args)
+        return 0
+    if args.worker == "torchrun":
+        torchrun_worker(args)
+        return 0
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    peers = tuple(args.peers)
+    runs: dict[str, list[dict[str, Any]]] = {peer: [] for peer in peers}
+    for r in range(args.rounds):
+        for peer in peers if r % 2 == 0 else peers[::-1]:
+            runs[peer].append(job(args, peer, env))
+    figures: dict[str, Any] = {"model": args.model, "rounds": args.rounds, "steps": args.steps,
+                               "kill_at": args.kill_at, "batch_size": args.batch_size}
+    for peer, got in runs.items():
+        figures[peer] = {key: statistics.median(g[key] for g in got)
+                         for key in ("kill_to_step_s", "step_s", "save_s", "save_cost")}
+        figures[peer]["all"] = got
+        f = figures[peer]
+        print(f"{peer}: kill -> next step {f['kill_to_step_s']:.2f} s (median of {args.rounds}), "
+              f"saving every step {f['save_cost']:.1%} of a step", flush=True)
+    records.append("elastic_vs_torchrun", figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
