@@ -22,7 +22,7 @@ after each poll; a poll that is done at once reads it once, at the start.
 ``spin_with`` is ``os.sched_yield`` unless the caller says otherwise: it releases the GIL and
 the core and returns within ~1 us. :data:`SLEEP_0` (``time.sleep(0)``) is what some waits spin
 with: it releases the GIL too, but on Linux it sleeps for the thread's timer slack (50 us by
-default; 60-90 us measured on this development machine, against 0.6 us for ``sched_yield``),
+default; 70 us a call measured on this development machine, against 0.6 us for ``sched_yield``),
 so such a "spin" is in practice one short sleep. Those waits keep it until a measurement on
 their hardware says otherwise (issue 29).
 """
