@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -42,6 +41,7 @@ import numpy as np
 
 from ..errors import ConfigError, PeerError, RingflowTimeoutError, TensorError
 from ..ops import ReduceOp
+from ..polling import SLEEP_0, polls
 
 __all__ = [
     "NCCL_DTYPES",
@@ -278,10 +278,7 @@ class CupyNccl:
             self._held.clear()
 
     def _poll(self, done: Any, what: str) -> None:
-        start = time.monotonic()
-        deadline = start + self.timeout
-        pause = 2e-5
-        while True:
+        for _ in polls(self.timeout, 2e-5, 5e-4, spin=5e-5, spin_with=SLEEP_0):  # as devices.poll
             try:
                 self.comm.check_async_error()
                 self._check()
@@ -292,16 +289,10 @@ class CupyNccl:
                 raise error from exc
             if done.done:
                 return
-            if time.monotonic() > deadline:
-                self.abort()
-                raise RingflowTimeoutError(
-                    f"{what} on the GPU did not finish within {self.timeout} s; a peer may be "
-                    "frozen or gone (RINGFLOW_TIMEOUT_S sets the limit)")
-            if time.monotonic() - start < 5e-5:  # as ringflow.devices.poll
-                time.sleep(0)
-                continue
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-4)
+        self.abort()
+        raise RingflowTimeoutError(
+            f"{what} on the GPU did not finish within {self.timeout} s; a peer may be "
+            "frozen or gone (RINGFLOW_TIMEOUT_S sets the limit)")
 
     # primitives -------------------------------------------------------------------------------
     def allreduce(self, buf: Any, op: ReduceOp) -> None:

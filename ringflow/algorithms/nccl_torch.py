@@ -24,7 +24,6 @@ same store and the same calls: everything here but the NCCL library itself runs 
 from __future__ import annotations
 
 import datetime
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from ..errors import PeerError, RingflowError, RingflowTimeoutError, TensorError
 from ..ops import ReduceOp
+from ..polling import polls
 from . import nccl
 
 __all__ = ["C10dStore", "TorchNccl", "unusable_reason"]
@@ -151,35 +151,39 @@ class TorchNccl:
 
     def wait(self, what: str) -> None:
         works, self._works = self._works, []
-        deadline = time.monotonic() + self.timeout
-        pause = 1e-6
-        for work in works:
-            while True:
-                try:
-                    self._check()  # the job's error (a failed peer) as it is: one text
-                except Exception:
-                    self.abort()
-                    raise
-                try:
-                    done = work.is_completed()
-                except Exception as exc:  # torch's NCCL error: abort, name it
-                    self.abort()
-                    raise PeerError(f"{what} failed on the GPU on rank {self.rank}: {exc}"
-                                    ) from exc
-                if done:
-                    break
-                if time.monotonic() > deadline:
-                    self.abort()
-                    raise RingflowTimeoutError(
-                        f"{what} on the GPU did not finish within {self.timeout} s; a peer may "
-                        "be frozen or gone (RINGFLOW_TIMEOUT_S sets the limit)")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-4)
-            try:
-                work.wait()  # orders the current stream after it; raises torch's error
-            except Exception as exc:
-                self.abort()
-                raise PeerError(f"{what} failed on the GPU on rank {self.rank}: {exc}") from exc
+        works.reverse()  # popped from the end: in the order they were posted
+        # One deadline and one growing pause for them all: a work found finished is waited for
+        # and the next one polled at once.
+        for _ in polls(self.timeout, 1e-6, 1e-4):
+            while works and self._completed(works[-1], what):
+                self._wait_on(works.pop(), what)
+            if not works:
+                return
+        self.abort()
+        raise RingflowTimeoutError(
+            f"{what} on the GPU did not finish within {self.timeout} s; a peer may "
+            "be frozen or gone (RINGFLOW_TIMEOUT_S sets the limit)")
+
+    def _completed(self, work: Any, what: str) -> bool:
+        """``work.is_completed()`` (an event query) after the job's check; an error of either
+        aborts the communicator."""
+        try:
+            self._check()  # the job's error (a failed peer) as it is: one text
+        except Exception:
+            self.abort()
+            raise
+        try:
+            return bool(work.is_completed())
+        except Exception as exc:  # torch's NCCL error: abort, name it
+            self.abort()
+            raise PeerError(f"{what} failed on the GPU on rank {self.rank}: {exc}") from exc
+
+    def _wait_on(self, work: Any, what: str) -> None:
+        try:
+            work.wait()  # orders the current stream after it; raises torch's error
+        except Exception as exc:
+            self.abort()
+            raise PeerError(f"{what} failed on the GPU on rank {self.rank}: {exc}") from exc
 
     @staticmethod
     def _op(t: torch.Tensor, op: ReduceOp) -> Any:

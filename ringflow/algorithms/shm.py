@@ -70,10 +70,11 @@ that runs on this rank's reduced share between the two barriers of either path, 
 between hosts can finish the reduction in place before any rank copies it out.
 
 Barriers: each rank bumps its flag word to the operation's epoch and waits until every flag has
-reached it, polling (with ``sched_yield``) for up to 200 us, then sleeping progressively longer.
-Every few milliseconds the wait checks the transport (``check_peers``) for a failed peer among
-the ranks not there yet (one that arrived may have finished and shut down since) and the deadline
-(``timeout_s``), so a dead or frozen rank ends the wait with the same errors as on the TCP path.
+reached it, polling (with ``sched_yield``) for up to 200 us, then sleeping progressively longer
+(:func:`ringflow.polling.polls`). Every few milliseconds the wait checks the transport
+(``check_peers``) for a failed peer among the ranks not there yet (one that arrived may have
+finished and shut down since), and again at the deadline (``timeout_s``) before it times out, so
+a dead or frozen rank ends the wait with the same errors as on the TCP path.
 Every size takes these paths: even at 4 KiB two flag barriers beat the TCP ring's socket exchanges
 and thread hand-offs (engine path, 2 / 4 ranks, two runs each: 0.50-0.85 / 1.3-1.6 ms against
 0.87-1.12 / 2.5-2.8 ms over TCP). Allreduces of at most ``collectives.EAGER_BYTES`` that the
@@ -100,6 +101,7 @@ from ..errors import PeerError, RingflowTimeoutError, SharedMemoryError
 from ..lane import LINE as _LINE
 from ..lane import Lane
 from ..ops import ReduceOp, check_dtype
+from ..polling import polls
 from .buffers import chunk_elems, chunk_ranges, even_split
 from .local import reduce_parts
 
@@ -365,29 +367,23 @@ class ShmAllreduce:
         words = self._words or []
         if all(w[_EPOCH] >= epoch for w in words):
             return
-        start = time.monotonic()
-        check = start
-        nap = 0.0
-        while True:
+        late: list[int] = []
+        check = time.monotonic()  # peers are checked every 5 ms, the first time 5 ms from now
+        # Spinning, os.sched_yield releases the GIL and gives the core away if anyone else
+        # needs it; then naps from 1 us, doubling up to 1 ms.
+        for now in polls(self.timeout, 1e-6, 1e-3, spin=_SPIN_S):
             late = [r for r, w in enumerate(words) if w[_EPOCH] < epoch]
             if not late:
                 return
-            now = time.monotonic()
-            if now - start < _SPIN_S:
-                os.sched_yield()  # releases the GIL; gives the core away if anyone else needs it
-                continue
             if now - check > 0.005:
                 check = now
                 # Only the late ranks: one that reached the barrier may have finished its last
                 # operation and shut down meanwhile, which is no failure of this one.
                 self._check_peers(late)
-                if now - start > self.timeout:
-                    raise RingflowTimeoutError(
-                        f"local ranks {late} did not reach the shared-memory barrier within "
-                        f"{self.timeout} s; they may be frozen (RINGFLOW_TIMEOUT_S sets the limit)"
-                    )
-            time.sleep(nap)
-            nap = min(nap * 2 or 1e-6, 1e-3)
+        self._check_peers(late)  # a failed peer rather than the timeout, as at every check
+        raise RingflowTimeoutError(
+            f"local ranks {late} did not reach the shared-memory barrier within "
+            f"{self.timeout} s; they may be frozen (RINGFLOW_TIMEOUT_S sets the limit)")
 
     def _ensure(self, nbytes: int) -> None:
         """Grow every rank's segment to two halves of ``nbytes`` (all ranks decide alike)."""

@@ -29,13 +29,13 @@ import dataclasses
 import importlib
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import ConfigError, RingflowTimeoutError
+from ..polling import SLEEP_0, polls
 
 __all__ = ["ArrayNamespace", "Meta", "claim", "forget", "joined_like", "kind_of",
            "namespace_of", "poll", "register"]
@@ -221,23 +221,21 @@ def poll(done: Callable[[], bool], timeout: float, what: str) -> None:
     """Wait for ``done()`` by polling, so that a wait on a device is never a blocking device call
     and always ends (RingflowTimeoutError after ``timeout`` s).
 
-    The first 50 us only yield the GIL between polls (a small kernel finishes within them, and
-    Linux's shortest sleep is ~60 us); then sleeps from 20 us, doubling up to 0.5 ms. The old
-    sleeps from 10 us to 1 ms cost a 4 KiB allreduce on a GPU up to a millisecond of waking.
+    For the first 50 us the pause between polls is ``time.sleep(0)``, meant to yield only the
+    GIL (a small kernel finishes within 50 us, and Linux's shortest sleep is ~60 us); on Linux
+    it sleeps for the timer slack too (see :mod:`ringflow.polling`). Then sleeps from 20 us,
+    doubling up to 0.5 ms. The old sleeps from 10 us to 1 ms cost a 4 KiB allreduce on a GPU up
+    to a millisecond of waking.
     """
-    start = time.monotonic()
-    deadline = start + timeout
-    pause = 2e-5
-    while not done():
-        now = time.monotonic()
-        if now > deadline:
-            raise RingflowTimeoutError(f"{what} did not finish on the device within {timeout} s "
-                                       "(RINGFLOW_TIMEOUT_S sets the limit)")
-        if now - start < 5e-5:
-            time.sleep(0)
-            continue
-        time.sleep(pause)
-        pause = min(pause * 2, 5e-4)
+    if done():  # the usual case: no clock read, no generator (timeit: issue 29)
+        return
+    waits = polls(timeout, 2e-5, 5e-4, spin=5e-5, spin_with=SLEEP_0)
+    next(waits)  # its first poll, at once: the one above
+    for _ in waits:
+        if done():
+            return
+    raise RingflowTimeoutError(f"{what} did not finish on the device within {timeout} s "
+                               "(RINGFLOW_TIMEOUT_S sets the limit)")
 
 
 def _cupy() -> ArrayNamespace:

@@ -42,6 +42,7 @@ from ..errors import (
     RingflowTimeoutError,
     ShutdownError,
 )
+from ..polling import polls
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ class FileStore(_Base):
         self._check_open()
         wait_s = self._resolve(timeout)
         name = self._file(key)
-        for _ in _polls(wait_s):
+        for _ in polls(wait_s, 1e-3, _POLL_MAX_S):
             with contextlib.suppress(FileNotFoundError):
                 return self._read(name)
             self._check_open()
@@ -231,7 +232,7 @@ class FileStore(_Base):
         missing = _check_keys(keys)
         self._check_open()
         wait_s = self._resolve(timeout)
-        for _ in _polls(wait_s):
+        for _ in polls(wait_s, 1e-3, _POLL_MAX_S):
             missing = [k for k in missing if not os.path.exists(self._file(k))]
             if not missing:
                 return
@@ -304,20 +305,6 @@ class FileStore(_Base):
     def _check_open(self) -> None:
         if self._closed:
             raise ShutdownError(f"the file store at {self.path} was closed; create a new one")
-
-
-
-def _polls(timeout: float) -> Iterator[None]:
-    """Yield at once, then after sleeps of 1, 2, 4, 5, 5, ... ms, the last one at the deadline."""
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while True:
-        yield
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        time.sleep(min(delay, left))
-        delay = min(delay * 2, _POLL_MAX_S)
 
 
 def _not_set(missing: list[str], total: int, timeout: float) -> str:

@@ -49,6 +49,7 @@ from ..errors import (
     RingflowTimeoutError,
     ShutdownError,
 )
+from ..polling import polls
 from ..wire import Acceptor, Throttle, client_handshake, recv_frame, send_frame
 from .secret import read_secret
 from .stores import (
@@ -267,22 +268,24 @@ class TCPStore(_Base):
     def _connect(self, secret: bytes) -> socket.socket:
         where = f"the rendezvous store at {self.host}:{self.port}"
         deadline = time.monotonic() + self._timeout
-        delay = 0.01
-        while True:
+        sock: socket.socket | None = None
+        error: OSError | None = None
+        for _ in polls(self._timeout, 0.01, 0.5):  # the server may not be listening yet
             try:
                 sock = socket.create_connection(
                     (self.host, self.port), timeout=max(deadline - time.monotonic(), 0.01)
                 )
                 break
             except OSError as exc:
-                if isinstance(exc, socket.gaierror) or time.monotonic() + delay > deadline:
-                    raise PeerError(
-                        f"cannot connect to {where} within {self._timeout:g} s: {exc}; check "
-                        "RINGFLOW_RENDEZVOUS_ADDR / RINGFLOW_RENDEZVOUS_PORT and that the "
-                        "launcher is still running"
-                    ) from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                error = exc
+                if isinstance(exc, socket.gaierror):  # no such host: waiting will not help
+                    break
+        if sock is None:
+            raise PeerError(
+                f"cannot connect to {where} within {self._timeout:g} s: {error}; check "
+                "RINGFLOW_RENDEZVOUS_ADDR / RINGFLOW_RENDEZVOUS_PORT and that the "
+                "launcher is still running"
+            ) from error
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client_handshake(sock, secret, self._timeout)

@@ -63,6 +63,7 @@ import contextlib
 import functools
 import importlib.util
 import logging
+import math
 import subprocess
 import sys
 import threading
@@ -80,6 +81,7 @@ from ..errors import (
     ShutdownError,
 )
 from ..ops import ReduceOp
+from ..polling import SLEEP_0, polls
 from .base import MAX_CTRL_BYTES, NativeAllreduce, data_wait_s
 
 __all__ = [
@@ -220,10 +222,9 @@ class _Work:
             return
         owner, mpi = self._owner, self._owner.mpi
         status = mpi.Status()
-        deadline = time.monotonic() + data_wait_s(owner.timeout)
         gone_since: float | None = None
-        spins, pause = 0, 0.0
-        while True:
+        for now in polls(data_wait_s(owner.timeout), 1e-5, _DATA_POLL_MAX_S, spins=_SPINS,
+                         spin_with=SLEEP_0):
             try:
                 if self._req.Test(status):
                     break
@@ -231,7 +232,6 @@ class _Work:
                 self._done = True
                 raise ProtocolError(f"{self._what} failed in MPI: {exc}; the ranks disagree "
                                     "about the collective") from exc
-            now = time.monotonic()
             error = owner._gone_error(self._peer)
             if error is not None:
                 gone_since = gone_since or now
@@ -244,18 +244,12 @@ class _Work:
             if owner.aborted is not None:
                 self._abandon()
                 raise owner.aborted
-            if now > deadline:
-                self._abandon()
-                who = "a peer's" if self._peer is None else f"rank {self._peer}'s"
-                raise RingflowTimeoutError(
-                    f"{self._what}: {who} part of the collective did not arrive within "
-                    f"{owner.timeout} s; it may be frozen (RINGFLOW_TIMEOUT_S sets the limit)")
-            if spins < _SPINS:
-                spins += 1
-                time.sleep(0)
-            else:
-                pause = min(_DATA_POLL_MAX_S, pause * 2 or 1e-5)
-                time.sleep(pause)
+        else:
+            self._abandon()
+            who = "a peer's" if self._peer is None else f"rank {self._peer}'s"
+            raise RingflowTimeoutError(
+                f"{self._what}: {who} part of the collective did not arrive within "
+                f"{owner.timeout} s; it may be frozen (RINGFLOW_TIMEOUT_S sets the limit)")
         self._done = True
         if self._nbytes is not None:
             got = status.Get_count(mpi.BYTE)
@@ -385,18 +379,15 @@ class MpiTransport(NativeAllreduce):
     def _recv_loop(self) -> None:
         mpi = self.mpi
         status = mpi.Status()
-        spins, pause = 0, 0.0
-        while not self._stop.is_set():
+        while True:
             try:
-                message = self.comm.Improbe(mpi.ANY_SOURCE, CTRL_TAG, status)
-                if message is None:
-                    if spins < _SPINS:
-                        spins += 1
-                        time.sleep(0)
-                    else:
-                        pause = min(POLL_MAX_S, pause * 2 or 1e-5)
-                        time.sleep(pause)
-                    continue
+                # No deadline: _stop ends the wait. The backoff starts over after each message.
+                for _ in polls(math.inf, 1e-5, POLL_MAX_S, spins=_SPINS, spin_with=SLEEP_0):
+                    if self._stop.is_set():
+                        return
+                    message = self.comm.Improbe(mpi.ANY_SOURCE, CTRL_TAG, status)
+                    if message is not None:
+                        break
                 src, size = status.Get_source(), status.Get_count(mpi.BYTE)
                 payload = bytearray(size)
                 message.Recv([payload, mpi.BYTE])
@@ -406,7 +397,6 @@ class MpiTransport(NativeAllreduce):
                     self._peer_gone(-1, PeerError(f"MPI failed while receiving control "
                                                   f"messages: {exc}"))
                 return
-            spins, pause = 0, 0.0
             if size == 0:
                 self._peer_gone(src, ShutdownError(f"rank {src} has shut down"))
                 continue
