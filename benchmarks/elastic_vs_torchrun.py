@@ -11,19 +11,23 @@ rounds of two peers, each launcher with its defaults except what the comparison 
   ``localhost:3``), ``DistributedOptimizer``, ``hvd.elastic.TorchState(model, optimizer, step)``
   and ``state.commit()`` after every step. The victim's death rolls the survivors back to the last
   commit in memory; they go on at size 2 in the same processes.
-- ``torchrun``: three agents (``torchrun --nnodes 2:3 --nproc-per-node 1 --max-restarts 3
-  --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT``, one per "node"), DDP on gloo
-  (``GLOO_SOCKET_IFNAME=lo``: loopback only), a checkpoint every step (rank 0, ``torch.save`` of
-  the model, the optimizer and the step, then a rename). The victim's death makes the agents
-  restart every worker, which load the checkpoint (torchrun's documented way).
+- ``torchrun``: ``torchrun --standalone --nproc-per-node 3 --max-restarts 3`` (one agent, its
+  store on loopback), DDP on gloo (``GLOO_SOCKET_IFNAME=lo``: loopback only), a checkpoint every
+  step (rank 0, ``torch.save`` of the model, the optimizer and the step, then a rename). The
+  victim's death makes the agent restart every worker, which load the checkpoint (torchrun's
+  documented way). Its elastic forms did not recover here (2026-11-27, torch 2.13): one agent
+  with ``--nnodes 1:2 --rdzv-backend c10d`` stayed in its re-rendezvous past 60 s; three agents
+  of one worker each (``--nnodes 2:3``, three "nodes" on this machine) restarted workers whose
+  gloo could not connect ("Connection refused") until the restarts ran out.
 
 At ``--kill-at`` the worker of rank 1 writes the time and SIGKILLs itself after its backward pass.
 Measured: from that time to the first step completed by the next world (the next generation; the
 restarted workers) (``kill_to_step_s``); each step's duration and each save's (``commit()``,
 which also agrees on host updates, an allreduce; or rank 0's checkpoint), before the kill:
-``save_cost`` is the median save over the median step without it. The record
-(``benchmarks/records.py``, benchmark ``elastic_vs_torchrun``) has both per peer (medians, and
-every round's).
+``save_cost`` is the median save over the median step without it. A job that does not end
+well (an exit code, or ``--timeout``) is a failed recovery, counted and shown with its last
+error line. The record (``benchmarks/records.py``, benchmark ``elastic_vs_torchrun``) has both
+per peer (medians over the recovered runs, ``recovered`` of ``runs``, and every round's).
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -139,12 +142,6 @@ def torchrun_worker(args: argparse.Namespace) -> None:
 
 
 # --- the jobs ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker_argv(args: argparse.Namespace, peer: str, out: Path) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--worker", peer, "--out", str(out),
             "--model", args.model, "--steps", str(args.steps), "--kill-at", str(args.kill_at),
@@ -161,26 +158,25 @@ def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, A
             procs = [subprocess.Popen(
                 [sys.executable, "-m", "ringflow.runner", "--min-np", "2", "--max-np", "3",
                  "--host-discovery-script", str(script), *_worker_argv(args, peer, out)],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                start_new_session=True)]
         else:
-            port = _free_port()
             procs = [subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3",
-                 "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", "3", "--max-restarts", "3",
                  *_worker_argv(args, peer, out)[1:]],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                for _ in range(3)]
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                start_new_session=True)]
         try:
             errs = [p.communicate(timeout=args.timeout)[1] for p in procs]
         except subprocess.TimeoutExpired:
             for p in procs:
-                p.kill()
-            raise SystemExit(f"{peer}: the job did not end within {args.timeout} s") from None
+                os.killpg(p.pid, signal.SIGKILL)  # the agent and its workers
+            return _failed(peer, f"the job did not end within {args.timeout:g} s")
         codes = [p.returncode for p in procs]
-        # torchrun: the victim's agent may end non-zero; the job is done when one ended 0.
-        if codes != [0] if peer == "ringflow" else 0 not in codes:
-            raise SystemExit(f"{peer}: exit codes {codes}:\n" + "\n".join(e[-2000:] for e in errs))
+        if codes != [0]:
+            lines = [line for e in errs for line in e.splitlines() if "Error:" in line]
+            return _failed(peer, f"exit code {codes[0]}: {(lines or ['?'])[-1][-300:]}")
         kill = json.loads((out / "kill.json").read_text())
         logs = [json.loads(line) for path in out.glob("log-*.jsonl")
                 for line in path.read_text().splitlines()]
@@ -198,6 +194,11 @@ def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, A
           f"save {save_s * 1e3:.1f} ms ({got['save_cost']:.1%}); size after "
           f"{got['sizes_after']}", file=sys.stderr, flush=True)
     return got
+
+
+def _failed(peer: str, why: str) -> dict[str, Any]:
+    print(f"  {peer}: failed: {why}", file=sys.stderr, flush=True)
+    return {"failed": why}
 
 
 def main() -> int:
@@ -228,12 +229,16 @@ def main() -> int:
     figures: dict[str, Any] = {"model": args.model, "rounds": args.rounds, "steps": args.steps,
                                "kill_at": args.kill_at, "batch_size": args.batch_size}
     for peer, got in runs.items():
-        figures[peer] = {key: statistics.median(g[key] for g in got)
-                         for key in ("kill_to_step_s", "step_s", "save_s", "save_cost")}
-        figures[peer]["all"] = got
-        f = figures[peer]
-        print(f"{peer}: kill -> next step {f['kill_to_step_s']:.2f} s (median of {args.rounds}), "
-              f"saving every step {f['save_cost']:.1%} of a step", flush=True)
+        done = [g for g in got if "failed" not in g]
+        f = figures[peer] = {key: statistics.median(g[key] for g in done) if done else None
+                             for key in ("kill_to_step_s", "step_s", "save_s", "save_cost")}
+        f.update(all=got, recovered=len(done), runs=len(got))
+        if done:
+            print(f"{peer}: recovered {len(done)} of {len(got)}; kill -> next step "
+                  f"{f['kill_to_step_s']:.2f} s (median), saving every step "
+                  f"{f['save_cost']:.1%} of a step", flush=True)
+        else:
+            print(f"{peer}: recovered 0 of {len(got)}", flush=True)
     records.append("elastic_vs_torchrun", figures)
     return 0
 
