@@ -171,7 +171,8 @@ def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, A
             errs = [p.communicate(timeout=args.timeout)[1] for p in procs]
         except subprocess.TimeoutExpired:
             for p in procs:
-                os.killpg(p.pid, signal.SIGKILL)  # the agent and its workers
+                os.killpg(p.pid, signal.SIGKILL)  # the launcher
+            _kill_workers(out)  # torchrun's workers are not in its process group
             return _failed(peer, f"the job did not end within {args.timeout:g} s")
         codes = [p.returncode for p in procs]
         if codes != [0]:
@@ -194,6 +195,16 @@ def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, A
           f"save {save_s * 1e3:.1f} ms ({got['save_cost']:.1%}); size after "
           f"{got['sizes_after']}", file=sys.stderr, flush=True)
     return got
+
+
+def _kill_workers(out: Path) -> None:
+    """SIGKILL every process whose command line names ``out`` (the job's workers)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if str(out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _failed(peer: str, why: str) -> dict[str, Any]:
