@@ -237,7 +237,8 @@ def main() -> int:
     for r in range(args.rounds):
         for peer in peers if r % 2 == 0 else peers[::-1]:
             runs[peer].append(job(args, peer, env))
-    figures: dict[str, Any] = {"model": args.model, "rounds": args.rounds, "steps": args.steps,
+    figures: dict[str, Any] = {"peers": list(peers), "model": args.model, "rounds": args.rounds,
+                               "steps": args.steps,
                                "kill_at": args.kill_at, "batch_size": args.batch_size}
     for peer, got in runs.items():
         done = [g for g in got if "failed" not in g]
