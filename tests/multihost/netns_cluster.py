@@ -2,8 +2,10 @@
 
 :func:`cluster` (a context manager) builds, for ``n`` hosts ``h1 .. hn``:
 
-* a bridge ``<tag>`` in the root namespace with address ``10.77.S.254/24`` (``S`` derived from the
-  pid, so that concurrent runs on one kernel use different subnets and names);
+* a bridge ``<tag>`` in the root namespace with address ``10.77.S.254/24`` (``S`` the first subnet
+  from one derived from the pid that no interface of the root namespace has, claimed under a
+  file lock, so that concurrent clusters on one kernel -- pytest-xdist's workers, other
+  checkouts' runs -- use different subnets; names derive from the pid);
 * per host a namespace ``<tag>h<i>`` joined to the bridge by a veth pair, whose inner end is also
   named ``<tag>`` (so ``--network-interface <tag>`` names the right interface on every host) with
   ``10.77.S.i/24``, plus its loopback;
@@ -35,7 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
+import re
 import shutil
 import signal
 import socket
@@ -87,6 +91,32 @@ def unavailable() -> str | None:
     return None
 
 
+#: Held while a cluster picks its subnet and gives it to its bridge: the pick reads the root
+#: namespace's addresses, so two clusters starting at once must not both see a subnet free.
+SUBNET_LOCK = os.path.join(tempfile.gettempdir(), "ringflow-netns-subnets.lock")
+
+
+def _claim_subnet(tag: str) -> str:
+    """Create bridge ``tag`` on a subnet ``10.77.S`` that no root-namespace interface has; its
+    prefix ``10.77.S``. Concurrent clusters (pytest-xdist workers, other runs) each get their own
+    subnet and bridge MAC address."""
+    with open(SUBNET_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        used = set(re.findall(r"\binet 10\.77\.(\d+)\.", _ip("-4", "-o", "addr", "show").stdout))
+        first = os.getpid() % 250
+        free = [s for k in range(250) if str(s := (first + k) % 250 + 1) not in used]
+        if not free:
+            raise RuntimeError("every subnet 10.77.1.0/24 .. 10.77.250.0/24 is in use: clusters "
+                               "left from killed runs? `ip -4 addr show` lists their bridges")
+        _ip("link", "add", tag, "type", "bridge")
+        # A bridge takes the lowest MAC address of its ports unless given one: removing a host's
+        # port (a host that vanishes) would change it, and the other hosts' ARP entries for the
+        # bridge's address (the launcher's store) would point nowhere for ~30 s.
+        _ip("link", "set", tag, "address", f"02:00:00:77:{free[0]:02x}:fe")
+        _ip("addr", "add", f"10.77.{free[0]}.254/24", "dev", tag)
+        return f"10.77.{free[0]}"
+
+
 def _wait_port(addr: str, port: int, deadline: float, proc: subprocess.Popen[bytes]) -> None:
     while True:
         if proc.poll() is not None:
@@ -111,21 +141,14 @@ def cluster(n: int = 2) -> Iterator[Cluster]:
     if not os.path.exists(SSHD):
         raise RuntimeError(f"sshd is not installed; CI installs it with: {INSTALL_HINT}")
     tag = f"rf{os.getpid() % 100000}"
-    subnet = f"10.77.{os.getpid() % 250 + 1}"
     namespaces = [f"{tag}h{i}" for i in range(1, n + 1)]
     names = tuple(f"h{i}" for i in range(1, n + 1))
-    addresses = tuple(f"{subnet}.{i}" for i in range(1, n + 1))
-    undo: list[tuple[str, ...]] = []
+    undo: list[tuple[str, ...]] = [("link", "del", tag)]  # harmless if never made
     sshds: list[subprocess.Popen[bytes]] = []
     tmp = tempfile.mkdtemp(prefix="ringflow-multihost-")
     try:
-        _ip("link", "add", tag, "type", "bridge")
-        undo.append(("link", "del", tag))
-        # A bridge takes the lowest MAC address of its ports unless given one: removing a host's
-        # port (a host that vanishes) would change it, and the other hosts' ARP entries for the
-        # bridge's address (the launcher's store) would point nowhere for ~30 s.
-        _ip("link", "set", tag, "address", f"02:00:00:77:{os.getpid() % 250 + 1:02x}:fe")
-        _ip("addr", "add", f"{subnet}.254/24", "dev", tag)
+        subnet = _claim_subnet(tag)
+        addresses = tuple(f"{subnet}.{i}" for i in range(1, n + 1))
         _ip("link", "set", tag, "up")
         for i, (ns, addr) in enumerate(zip(namespaces, addresses, strict=True), start=1):
             _ip("netns", "add", ns)

@@ -71,6 +71,9 @@ def checks(rf, size: int | None = None, train: bool = False) -> str:
         client.user_set("hello", {"from": 0, "size": n})
     if client.user_get("hello") != {"from": 0, "size": n}:
         raise AssertionError(f"rank {r}: the key-value client gave {client.user_get('hello')}")
+    # Rank 0 may host the store (the env:// contract without torch): it must not leave before
+    # every rank has read the key (seen under load: rank 1's get met a closed store).
+    rf.barrier()
     if train:
         train_matches_one_process(rf)
     return (f"PASS rank {r}/{n} local {rf.local_rank()}/{rf.local_size()} cross "
