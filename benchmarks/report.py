@@ -118,6 +118,18 @@ def _auto_loopback(f: dict[str, Any]) -> str:
             f"{f['rounds']} paired rounds)")
 
 
+def _elastic(f: dict[str, Any]) -> str:
+    def peer(name: str) -> str:
+        g = f[name]
+        got = f"recovered {g['recovered']} of {g['runs']}"
+        if not g["recovered"]:
+            return got
+        return (f"{got}, kill to step {g['kill_to_step_s']:.2f} s, saving every step "
+                f"{g['save_cost']:.0%} of a step")
+
+    return f"ringflow {peer('ringflow')}; torchrun {peer('torchrun')}"
+
+
 def _gpu(f: dict[str, Any]) -> str:
     a = f["allreduce_vs_torch_nccl"]
     return (f"{f['resnet50_vs_no_exchange']:.3f}x img/s; {a['4KiB']:.2f}x / {a['64MiB']:.2f}x "
@@ -168,6 +180,10 @@ ROWS = (
         (("model", "mlp"), ("part", "loopback"))),
     Row("fp16 compression of a 100 MB torch gradient (`benchmarks/cast_cost.py`)", "cast_cost",
         _casts, (("framework", "torch"),)),
+    Row("Elastic, 25 M MLP, 3 workers, one SIGKILLed mid-step: `ringflow-run --min-np 2` "
+        "(`commit()` every step) vs `torchrun --standalone --max-restarts 3` (a checkpoint every "
+        "step) (`benchmarks/elastic_vs_torchrun.py`)", "elastic_vs_torchrun", _elastic,
+        (("peers", ["ringflow", "torchrun"]), ("model", "mlp"))),
     Row("CUDA on one NVIDIA H200, 1 rank: synthetic ResNet-50 (batch 64) vs no exchange; "
         "`hvd.allreduce_` of 4 KiB / 64 MiB vs torch.distributed's NCCL; 64 MiB at 2 ranks "
         "sharing the GPU (staged) vs gloo (`benchmarks/gpu_check.py`)", "gpu_check", _gpu),
