@@ -176,8 +176,9 @@ def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, A
             return _failed(peer, f"the job did not end within {args.timeout:g} s")
         codes = [p.returncode for p in procs]
         if codes != [0]:
-            lines = [line for e in errs for line in e.splitlines() if "Error:" in line]
-            return _failed(peer, f"exit code {codes[0]}: {(lines or ['?'])[-1][-300:]}")
+            lines = [line for e in errs for line in e.splitlines() if "Error:" in line
+                     and "ChildFailedError" not in line]  # the worker's, not the agent's
+            return _failed(peer, f"exit code {codes[0]}: {(lines or ['?'])[0][-300:]}")
         kill = json.loads((out / "kill.json").read_text())
         logs = [json.loads(line) for path in out.glob("log-*.jsonl")
                 for line in path.read_text().splitlines()]
