@@ -62,7 +62,7 @@ from .ops import Average, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
 from .timeline import clock
 
-__all__ = ["HOST", "ArrayOps", "Exchange", "auto_decision", "configured"]
+__all__ = ["HOST", "ArrayOps", "Exchange", "auto_decision", "configured", "synced_state"]
 
 log = logging.getLogger(__name__)
 
@@ -379,6 +379,16 @@ class Exchange:
         self.factors = dict(state["factors"])
         self.steps = dict(state["steps"])
         self.server = {k: np.array(self.ops.to_host(v)) for k, v in state["server"].items()}
+
+
+def synced_state(received: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """The compressor's state after an elastic reset's sync (:meth:`Exchange.state_dict`'s form):
+    what must be equal on every rank from rank 0 (``received``: the auto decision, PowerSGD's
+    warm-start factors, random-k's step counts, which seed its shared choice), and this rank's
+    ``own`` error feedback (a survivor's restored residuals; a newcomer's empty ones), since a
+    residual is what this rank did not send. 1-bit's per-chunk server residuals start afresh:
+    the chunks are cut by the world's size."""
+    return {**received, "errors": own["errors"], "server": {}}
 
 
 def _chunk_len(numel: int, n: int) -> int:

@@ -9,7 +9,9 @@ The loop, the commit/restore/sync protocol and the sampler's arithmetic live in
   ``sync()`` broadcasts rank 0's parameters and buffers in place (``broadcast_parameters``);
 * ``optim.Optimizer`` (a ``DistributedOptimizer`` too) and LR schedulers: their
   ``state_dict()`` likewise; ``sync()`` loads rank 0's whole ``state_dict`` (pickled, bit for
-  bit), so that a newcomer whose optimizer never stepped gets the moments and step counts;
+  bit), so that a newcomer whose optimizer never stepped gets the moments and step counts,
+  except a compressor's error feedback, which stays each rank's own
+  (:func:`ringflow.compressed.synced_state`);
 * :class:`ElasticSampler`: ``(epoch, processed_num)``; ``sync()`` loads rank 0's and reshards.
 
 Anything else given to :class:`TorchState` is a plain value
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from .. import elastic as _core
+from ..compressed import synced_state
 from ..elastic import ObjectState, run
 from . import broadcast_object, broadcast_parameters, rank, size
 
@@ -134,7 +137,12 @@ class _OptimizerHandler(_Handler):
         abandon = getattr(self.value, "_abandon", None)
         if abandon is not None:  # a DistributedOptimizer: its failed step's allreduces are gone
             abandon()
-        super().sync()
+        own = self.value.state_dict()
+        state = broadcast_object(own, 0)
+        if "ringflow_compression" in own and "ringflow_compression" in state:
+            state["ringflow_compression"] = synced_state(state["ringflow_compression"],
+                                                         own["ringflow_compression"])
+        self.value.load_state_dict(state)
 
 
 class _ModelHandler(_Handler):

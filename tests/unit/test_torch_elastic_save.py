@@ -57,3 +57,15 @@ def test_a_tensor_of_another_shape_or_dtype_is_copied_anew():
     new = {"w": torch.ones(4), "b": torch.ones(2, dtype=torch.float64), "n": 5}
     got = _kept(old, new)
     assert _equal(got, new) and got["w"] is not old["w"] and got["b"] is not old["b"]
+
+
+def test_a_sync_keeps_each_ranks_error_feedback_and_takes_the_rest_from_rank_0():
+    from ringflow.compressed import synced_state
+
+    rank0 = {"compression": "powersgd:rank=2", "active": True, "errors": {"w": "rank 0's"},
+             "factors": {"w": "Q"}, "steps": {"w": 7}, "server": {"w": "rank 0's chunk"}}
+    mine = {"compression": "powersgd:rank=2", "active": True, "errors": {"w": "mine"},
+            "factors": {}, "steps": {}, "server": {"w": "my chunk"}}
+    got = synced_state(rank0, mine)
+    assert got == {"compression": "powersgd:rank=2", "active": True, "errors": {"w": "mine"},
+                   "factors": {"w": "Q"}, "steps": {"w": 7}, "server": {}}
