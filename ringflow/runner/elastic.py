@@ -40,8 +40,8 @@ ranks change.
 
 Where the store listens is decided once, at the start: on ``--network-interface``'s address if
 given, else on the address that reaches the first other host the discovery script lists then,
-else (only this machine listed) on 127.0.0.1, and then a host that is not this machine, listed
-later, is ignored with a warning that says to pass ``--network-interface``.
+else (only this machine listed, or no other host resolves) on 127.0.0.1, and then a host that is
+not this machine is ignored with a warning that says to pass ``--network-interface``.
 """
 
 from __future__ import annotations
@@ -178,7 +178,11 @@ class _Driver:
             first = discover(settings.discovery_script, settings.slots_per_host)
         except LaunchError:
             first = {}  # the loop says so, every poll
-        return store_address([h for h in first if not is_local(h)])
+        try:
+            return store_address([h for h in first if not is_local(h)])
+        except LaunchError as exc:  # no other host listed resolves: none can join
+            log.warning("%s; the store listens on 127.0.0.1", exc)
+            return "127.0.0.1"
 
     # discovery, on a thread of its own: a slow script must not delay the loop ---------------
     def _discover(self) -> None:
