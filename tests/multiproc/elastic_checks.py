@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 P, SEED = 1_000_003, 11  # elastic_workers/steps.py's
 
@@ -69,3 +70,19 @@ def nothing_leaked(ends: list[dict]) -> None:
         assert end["shm"] == [], end
         assert not [t for t in end["threads"] if "engine" in t or "heartbeat" in t], end
     assert len({(tuple(e["threads"]), e["fds"]) for e in ends}) == 1, ends
+
+
+def went_on_without(tmp_path: Path, proc: Any, victim: str) -> None:
+    """A run of 3 workers whose worker on ``victim`` died at step 5: the job ended 0 with that
+    host blacklisted, steps 0-4 at size 3, the rest at 2 (step 5 may complete at 3: the victim's
+    contribution can reach the coordinator, which reduces a small tensor itself, before the
+    SIGKILL), both survivors hold the replay's model, and nothing leaked."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"host {victim} is blacklisted" in proc.stderr
+    plan = schedule(tmp_path)
+    sizes = [size for _, _, size in plan]
+    assert sizes[:5] == [3] * 5 and sizes[5] in (2, 3) and set(sizes[6:]) == {2}, sizes
+    ends = finals(tmp_path)
+    assert len(ends) == 2 and {e["size"] for e in ends} == {2}
+    assert {e["w"] for e in ends} == {replay(plan)}
+    nothing_leaked(ends)

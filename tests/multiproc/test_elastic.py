@@ -18,7 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic_checks import finals, nothing_leaked, replay, samples_per_epoch, schedule
+from elastic_checks import (
+    finals,
+    nothing_leaked,
+    replay,
+    samples_per_epoch,
+    schedule,
+    went_on_without,
+)
 
 import ringflow
 
@@ -81,17 +88,7 @@ def test_killed_worker_survivors_go_on_at_the_smaller_size(tmp_path, hosts, vict
     slot = {"KILL_SLOT": str(victim)} if len(hosts) == 1 else {}
     proc = elastic_run(tmp_path, hosts, "--min-np", "2", "--max-np", "3",
                        KILL=f"{name}:5", SLEEP="0.02", **slot)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"host {name} is blacklisted" in proc.stderr
-    plan = schedule(tmp_path)
-    sizes = [size for _, _, size in plan]
-    # Step 5 may complete at size 3: the victim's contribution can reach the coordinator,
-    # which reduces a small tensor itself, before the SIGKILL.
-    assert sizes[:5] == [3] * 5 and sizes[5] in (2, 3) and set(sizes[6:]) == {2}, sizes
-    ends = finals(tmp_path)
-    assert len(ends) == 2 and {e["size"] for e in ends} == {2}
-    assert {e["w"] for e in ends} == {replay(plan)}
-    nothing_leaked(ends)
+    went_on_without(tmp_path, proc, name)
     assert time.monotonic() - start < 120
     no_workers_left(tmp_path)
 
