@@ -23,7 +23,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "multiproc"))
 import netns_cluster  # noqa: E402
-from elastic_checks import finals, replay, schedule, went_on_without  # noqa: E402
+from elastic_checks import (  # noqa: E402
+    finals,
+    finished,
+    no_workers_left,
+    replay,
+    schedule,
+    went_on_without,
+)
 
 REASON = netns_cluster.unavailable()
 if REASON is not None:
@@ -59,27 +66,7 @@ def elastic_run(c: netns_cluster.Cluster, tmp_path: Path, listed: list[str], *fl
          sys.executable, WORKER],
         env=full, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the remote bootstraps stop their workers when ssh is gone
-        out, err = proc.communicate()
-        pytest.fail(f"the elastic job did not end within 120 s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def no_workers_left(c: netns_cluster.Cluster, tmp_path: Path) -> None:
-    """No process of the job is alive on any host (the namespaces share this machine's process
-    table; a worker's environment names the test's folder)."""
-    left = []
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and f"OUT={tmp_path}".encode() in Path(
-                    f"/proc/{pid}/environ").read_bytes():
-                left.append(pid)
-        except OSError:
-            pass
-    assert not left, left
+    return finished(proc)  # the remote bootstraps stop their workers when ssh is gone
 
 
 def test_a_worker_killed_on_another_host_the_survivors_go_on(hosts, tmp_path):
@@ -90,7 +77,7 @@ def test_a_worker_killed_on_another_host_the_survivors_go_on(hosts, tmp_path):
     proc = elastic_run(hosts, tmp_path, list(hosts.hosts), "--min-np", "2", "--max-np", "3",
                        KILL=f"{victim}:5")
     went_on_without(tmp_path, proc, victim)
-    no_workers_left(hosts, tmp_path)
+    no_workers_left(tmp_path)
 
 
 def test_a_host_added_to_the_list_joins_over_ssh(hosts, tmp_path):
@@ -106,4 +93,4 @@ def test_a_host_added_to_the_list_joins_over_ssh(hosts, tmp_path):
     ends = finals(tmp_path)
     assert len(ends) == 3 and {e["size"] for e in ends} == {3}
     assert {e["w"] for e in ends} == {replay(plan, epochs=3)}
-    no_workers_left(hosts, tmp_path)
+    no_workers_left(tmp_path)

@@ -7,9 +7,13 @@ network namespaces, tests/multihost/test_elastic_hosts.py.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 P, SEED = 1_000_003, 11  # elastic_workers/steps.py's
 
@@ -86,3 +90,28 @@ def went_on_without(tmp_path: Path, proc: Any, victim: str) -> None:
     assert len(ends) == 2 and {e["size"] for e in ends} == {2}
     assert {e["w"] for e in ends} == {replay(plan)}
     nothing_leaked(ends)
+
+
+def finished(proc: subprocess.Popen[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The launcher's end (started with ``start_new_session``); past ``timeout`` its group is
+    killed (the supervisors stop the workers when the launcher is gone) and the test fails."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"the elastic job did not end within {timeout:g} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def no_workers_left(tmp_path: Path) -> None:
+    """No process of this test's job is alive (its environment names the test's folder)."""
+    left = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and str(tmp_path).encode() in Path(f"/proc/{pid}/environ"
+                                                                 ).read_bytes():
+                left.append(pid)
+        except OSError:  # gone meanwhile, or not ours
+            pass
+    assert not left, left

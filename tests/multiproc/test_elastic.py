@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from elastic_checks import (
     finals,
+    finished,
+    no_workers_left,
     nothing_leaked,
     replay,
     samples_per_epoch,
@@ -53,26 +55,7 @@ def elastic_run(tmp_path: Path, hosts: list[str], *flags: str, worker: str = WOR
          "--elastic-timeout", "60", *flags, sys.executable, worker],
         env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the supervisors stop the workers when the launcher is gone
-        out, err = proc.communicate()
-        pytest.fail(f"the elastic job did not end within 120 s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def no_workers_left(tmp_path: Path) -> None:
-    """No process of this test's job is alive (its environment names the test's folder)."""
-    left = []
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and str(tmp_path).encode() in Path(f"/proc/{pid}/environ"
-                                                                 ).read_bytes():
-                left.append(pid)
-        except OSError:  # gone meanwhile, or not ours
-            pass
-    assert not left, left
+    return finished(proc)
 
 
 NAMES = ["localhost", "127.0.0.1", socket.gethostname()]
