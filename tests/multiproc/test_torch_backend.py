@@ -53,6 +53,12 @@ def free_port() -> int:
 def run_all(commands: Sequence[Sequence[str]], timeout: float = 200) -> list[str]:
     """Start every command at once, wait for all with one deadline (killing the rest when it
     passes); fail with every output if one failed. Their outputs."""
+    codes, outs = _run_together(commands, timeout)
+    assert codes == [0] * len(codes), "\n".join(outs)[-8000:]
+    return outs
+
+
+def _run_together(commands: Sequence[Sequence[str]], timeout: float) -> tuple[list, list[str]]:
     procs = [subprocess.Popen(list(c), env=ENV, cwd=ROOT, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, start_new_session=True)
              for c in commands]
@@ -68,9 +74,23 @@ def run_all(commands: Sequence[Sequence[str]], timeout: float = 200) -> list[str
             out, _ = proc.communicate()
             out += f"\n[killed at the {timeout:.0f} s deadline]"
         outs.append(out)
-    text = "\n".join(outs)
-    assert all(p.returncode == 0 for p in procs), text[-8000:]
-    return outs
+    return [p.returncode for p in procs], outs
+
+
+# gloo itself sometimes aborts a rank while tearing its process group down after the script's
+# last line (std::terminate from a joinable thread; seen once in CI on torch 2.13, and reported
+# upstream, pytorch/pytorch#190489). A reference run that died only so is run once more.
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def run_reference(command: Sequence[str], done: str, timeout: float = 200) -> str:
+    """run_all for one gloo run, tolerating gloo's own teardown abort once: a run whose output
+    holds ``done`` and then that abort is repeated."""
+    codes, outs = _run_together([command], timeout)
+    if codes != [0] and done in outs[0] and GLOO_TEARDOWN_ABORT in outs[0].split(done, 1)[1]:
+        codes, outs = _run_together([command], timeout)
+    assert codes == [0], outs[0][-8000:]
+    return outs[0]
 
 
 def passes(outs: Sequence[str], n: int, via: str) -> None:
@@ -195,8 +215,10 @@ def test_ddp_digits_example_under_torchrun_matches_gloo() -> None:
     example = str(Path(ROOT) / "examples" / "torch_ddp_digits.py")
     reports = []
     for backend in ("ringflow", "gloo"):
-        out = run_all([[*TORCHRUN, "--standalone", "--nproc-per-node", "2", example,
-                        "--backend", backend]])[0]
+        command = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", example,
+                   "--backend", backend]
+        out = (run_reference(command, "test accuracy") if backend == "gloo"
+               else run_all([command])[0])
         lines = [s for s in out.splitlines() if s.startswith(("epoch ", "test accuracy"))]
         assert lines and lines[-1].endswith(f"backend {backend}"), out[-4000:]
         reports.append([s.replace(f"backend {backend}", "") for s in lines])
