@@ -15,6 +15,9 @@ builds the models; ``mlp``: 25.2 M parameters, ~100 MB of float32 gradients per 
   ringflow's engine, :mod:`ringflow.torch.process_group`), the only change;
 - ``independent`` (``--peers ... independent``): two single processes at once, no exchange, no
   launcher (on this VM it measured slower than DDP itself, 0.76x: not a ceiling here);
+- ``lockstep`` (``--peers ... lockstep``): the DDP worker without DDP (no gradient exchange),
+  its two ranks kept in step by one 1-element gloo allreduce after every backward pass: the
+  cost of running in step, which no synchronous exchange avoids -- a ceiling for them all;
 - ``single`` (``--single``): one process, no exchange, the baseline of the efficiency column.
 
 Threads (``--threads``): ``script`` (default) calls ``torch.set_num_threads(1)`` in every script and
@@ -61,7 +64,7 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "TF_NUM_INTRAOP_THREADS",
                "TF_NUM_INTEROP_THREADS")
 HOROVOD_IMPORT = "import horovod.torch as hvd"
-PEERS = ("ringflow", "ddp", "ddp-ringflow", "independent")
+PEERS = ("ringflow", "ddp", "ddp-ringflow", "independent", "lockstep")
 
 
 def _env(threads: str, extra_path: list[Path] = ()) -> dict[str, str]:
@@ -128,11 +131,13 @@ def run_ringflow(args: argparse.Namespace, model: str) -> float:
 
 
 def run_ddp(args: argparse.Namespace, model: str, backend: str = "gloo",
-            extra_path: list[Path] = ()) -> float:
+            extra_path: list[Path] = (), lockstep: bool = False) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", __file__, "--ddp-worker", "--model", model,
                "--backend", backend, "--out", tmp, *_loop_args(args)]
+        if lockstep:
+            cmd.append("--lockstep")
         if args.threads == "script":
             cmd.append("--set-threads")
         _run(cmd, _env(args.threads, extra_path), args.timeout, f"DDP on {backend}")
@@ -179,13 +184,18 @@ def ddp_worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     bench = _example()
     torch.manual_seed(0)
-    model = DistributedDataParallel(bench.build_model(args.model))
+    model = bench.build_model(args.model)
+    if not args.lockstep:
+        model = DistributedDataParallel(model)
     held = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.01 * world)}
     data, target = bench.synthetic_batch(args.model, args.batch_size)
+    tick = torch.zeros(1)
 
     def step() -> None:
         held["optimizer"].zero_grad()
         F.cross_entropy(held["model"](data), target).backward()
+        if args.lockstep:
+            dist.all_reduce(tick)
         held["optimizer"].step()
 
     rates = bench.time_steps(step, args.batch_size, 3, args.num_batches_per_iter, args.num_iters)
@@ -242,6 +252,7 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--set-threads", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--lockstep", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     parser.add_argument("--threads", choices=("script", "launcher"), default="script",
@@ -290,6 +301,8 @@ def main() -> None:
                     runners[peer] = lambda m=model: run_ringflow(args, m)
                 elif peer == "independent":
                     runners[peer] = lambda m=model: run_single(args, m, copies=2)
+                elif peer == "lockstep":
+                    runners[peer] = lambda m=model: run_ddp(args, m, lockstep=True)
                 else:
                     backend = "ringflow" if peer == "ddp-ringflow" else "gloo"
                     runners[peer] = lambda m=model, b=backend: run_ddp(args, m, b)

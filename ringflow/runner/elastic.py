@@ -28,7 +28,8 @@ has (newcomers still starting are stopped): code 0 if one finished (exit 0, not 
 the first failure's. It fails at once, stopping every worker, when a generation has no live
 member left (the in-memory state is gone), past the reset limit, or below ``--min-np`` for
 longer than ``--elastic-timeout``; a member that does not ask within ``--elastic-timeout``
-while its peers wait is stopped.
+once another member has asked is stopped (newcomers alone do not start that clock: they wait for
+the members' next ``commit()``, however long their steps).
 
 Workers run under the supervisor, on this machine or over ssh on the listed host (the remote
 bootstrap of :mod:`.remote`, as ``-H`` jobs do; ``-p``, ``-i``, ``--ssh-config-file``, ``-x``
@@ -289,7 +290,9 @@ class _Driver:
                 log.info("asking generation %d to re-form (%s)", self.generation,
                          "workers wait to join" if newcomers else "a host left")
             lagging = [m for m in members if live[m].asked == live[m].answered]
-            if waiting and lagging:
+            # Only a member that left its generation starts the clock: newcomers alone wait
+            # for the members' next commit, however long their steps are.
+            if lagging and any(w.id in self.members for w in waiting):
                 self.waiting_since = self.waiting_since or now
                 if now - self.waiting_since > self.settings.elastic_timeout_s:
                     log.warning("stopping workers %s: they did not leave generation %d within "

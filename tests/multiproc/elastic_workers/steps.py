@@ -11,11 +11,13 @@ Environment: ``OUT`` (a folder), ``LENGTH``, ``EPOCHS``, ``SLEEP`` (seconds a st
 with ``HOST:STEP:commit`` in ``commit()`` once that step is saved; with
 ``KILL_SLOT=N`` only the one in slot N of HOST; it records the time first, ``kill-*.json``),
 ``KILL_ADDS=LINE`` (the victim first appends LINE to the discovery list ``HOSTS``),
-``SYNC_KILL=HOST:GEN`` (the worker on HOST SIGKILLs itself as generation GEN syncs),
-``JOIN_KILL=HOST:GEN`` (... as it receives its place in generation GEN, before it connects),
-``STOP=HOST:STEP`` (the worker on HOST SIGSTOPs itself in the middle of that step),
+``SYNC_KILL=HOST:GEN,...`` (the worker on HOST SIGKILLs itself as generation GEN syncs),
+``JOIN_KILL=HOST:GEN,...`` (... as it receives its place in generation GEN, before it
+connects), ``STOP=HOST:STEP,...`` (the worker on HOST SIGSTOPs itself in the middle of that
+step),
 ``EDIT=STEP:+LINE,STEP:-LINE,...`` (rank 0 adds LINE to ``HOSTS``, or removes it, after that
-step, and holds the job until the driver asks it to re-form, so that the test knows the step).
+step, and holds the job until the driver asks it to re-form, so that the test knows the step;
+at most ``EDIT_WAIT`` seconds, default 60).
 Each worker records its resident memory at each generation it joins (``rss-*.jsonl``).
 """
 
@@ -43,7 +45,10 @@ HOST = os.environ["RINGFLOW_HOSTNAME"]
 KILL = os.environ.get("KILL", "").split(",")
 KILL_SLOT, SLOT = os.environ.get("KILL_SLOT", ""), os.environ["RINGFLOW_LOCAL_RANK"]
 EDIT, HOSTS = os.environ.get("EDIT", ""), os.environ.get("HOSTS", "")
-KILL_ADDS, SYNC_KILL = os.environ.get("KILL_ADDS", ""), os.environ.get("SYNC_KILL", "")
+KILL_ADDS = os.environ.get("KILL_ADDS", "")
+SYNC_KILL = os.environ.get("SYNC_KILL", "").split(",")
+JOIN_KILL = os.environ.get("JOIN_KILL", "")
+STOP = os.environ.get("STOP", "").split(",")
 
 
 def edit_hosts(step: int) -> None:
@@ -61,9 +66,16 @@ def edit_hosts(step: int) -> None:
             lines.remove(change[1:])
     Path(HOSTS + ".new").write_text("".join(line + "\n" for line in lines))
     os.replace(HOSTS + ".new", HOSTS)
-    end = time.monotonic() + 60
+    end = time.monotonic() + float(os.environ.get("EDIT_WAIT", "60"))
     while not rf.runtime.world().update_pending() and time.monotonic() < end:
         time.sleep(0.05)
+
+
+def die(**fields: object) -> None:
+    """SIGKILL this worker, its time and place recorded first (``kill-*.json``)."""
+    with open(os.path.join(OUT, f"kill-{WID}.json"), "w") as f:
+        json.dump({"t": time.time(), **fields}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def record(**fields: object) -> None:
@@ -86,15 +98,13 @@ def train(state: elastic.ObjectState) -> int:
             sample = mine[k] if k < len(mine) else -1
             handle = rf.allreduce_async(np.array([sample + 1], np.int64), name="step",
                                         op=rf.Sum)
-            if os.environ.get("STOP") == f"{HOST}:{state.step}":
+            if f"{HOST}:{state.step}" in STOP:
                 os.kill(os.getpid(), signal.SIGSTOP)
             if KILL_SLOT in ("", SLOT) and f"{HOST}:{state.step}" in KILL:
-                with open(os.path.join(OUT, f"kill-{WID}.json"), "w") as f:
-                    json.dump({"t": time.time(), "step": state.step}, f)
                 if KILL_ADDS:
                     with open(HOSTS, "a") as f:
                         f.write(KILL_ADDS + "\n")
-                os.kill(os.getpid(), signal.SIGKILL)
+                die(step=state.step)
             total = int(rf.synchronize(handle)[0])
             state.w = (state.w * 3 + total) % P
             record(gen=g, rank=rf.rank(), size=rf.size(), step=state.step, epoch=state.epoch,
@@ -117,30 +127,30 @@ class State(elastic.ObjectState):
     def commit(self) -> None:
         self.save()
         if f"{HOST}:{self.step}:commit" in KILL:  # saved here, its peers in the host check
-            os.kill(os.getpid(), signal.SIGKILL)
+            die(step=self.step, where="commit")
         self.check_host_updates()
 
     def sync(self) -> None:
-        if f"{HOST}:{rf.runtime.world().generation}" == SYNC_KILL:
-            os.kill(os.getpid(), signal.SIGKILL)  # its peers are in the broadcast of sync()
+        if f"{HOST}:{rf.runtime.world().generation}" in SYNC_KILL:
+            die(where="sync")  # its peers are in the broadcast of sync()
         super().sync()
 
 
-if os.environ.get("JOIN_KILL"):  # HOST:GEN: die between the answer and the connections
+if JOIN_KILL:  # HOST:GEN,...: die between the answer and the connections
     from ringflow.world import World
 
     joined = World.join
 
     def join_then_die(self: World) -> object:
         answer = joined(self)
-        if answer is not None and f"{HOST}:{answer[0]}" == os.environ["JOIN_KILL"]:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if answer is not None and f"{HOST}:{answer[0]}" in JOIN_KILL.split(","):
+            die(where="join")
         return answer
 
     World.join = join_then_die  # type: ignore[method-assign]
 
 with open(os.path.join(OUT, f"start-{WID}.json"), "w") as f:
-    json.dump({"t": time.time()}, f)  # asks for its first generation now
+    json.dump({"t": time.time(), "job": os.environ["RINGFLOW_JOB_ID"]}, f)  # asks now
 rf.init()
 w = train(State(w=7 if rf.rank() == 0 else -5, epoch=0, processed=0, step=0))
 final = {"w": w, "rank": rf.rank(), "size": rf.size(), "gen": rf.runtime.world().generation}
@@ -152,12 +162,6 @@ while len(threading.enumerate()) > 2 and time.monotonic() < end:
     time.sleep(0.01)
 final["threads"] = sorted(t.name for t in threading.enumerate())
 final["fds"] = len(os.listdir("/proc/self/fd"))
-def _link(f):
-    try:
-        return os.readlink(f"/proc/self/fd/{f}")
-    except OSError:
-        return "?"
-final["fdlist"] = sorted(map(_link, os.listdir("/proc/self/fd")))
 final["shm"] = [n for n in os.listdir("/dev/shm")
                 if n.startswith(f"rfj{os.environ['RINGFLOW_JOB_ID']}_")]
 with open(os.path.join(OUT, f"final-{WID}.json"), "w") as f:
