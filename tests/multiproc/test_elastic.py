@@ -91,6 +91,21 @@ def test_added_host_joins_and_receives_the_state_from_its_peers(tmp_path):
     no_workers_left(tmp_path)
 
 
+def test_a_newcomer_waits_for_the_next_commit_of_a_long_step(tmp_path):
+    """Steps longer than --elastic-timeout: a newcomer waits for the members' next commit, and
+    no member is stopped for not leaving its generation sooner (none had left it)."""
+    proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "2", "--max-np", "3",
+                       "--elastic-timeout", "1", EDIT=f"1:+{NAMES[2]}", SLEEP="2.5",
+                       LENGTH="6", EPOCHS="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stopping workers" not in proc.stderr
+    plan = schedule(tmp_path)
+    assert [size for _, _, size in plan] == [2, 3, 3], plan
+    ends = finals(tmp_path)
+    assert len(ends) == 3 and {e["w"] for e in ends} == {replay(plan, length=6, epochs=1)}
+    no_workers_left(tmp_path)
+
+
 def test_below_min_np_the_survivor_waits_for_a_newcomer(tmp_path):
     """min-np 2 of 2: a worker dies (its host name blacklisted) and lists another name first;
     the survivor waits below min-np until the newcomer joins and receives the state."""
