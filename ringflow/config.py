@@ -140,7 +140,7 @@ class Config:
     autotune_warmup_samples: int = 2
     #: Steps per sample of the autotuner (the first step after a change is not counted).
     autotune_steps_per_sample: int = 4
-    #: Faults to inject, for tests (``ringflow.fault``: rank, protocol point, action); empty:
+    #: Faults to inject, for tests (``ringflow.injection``: rank, protocol point, action); empty:
     #: none, and no cost.
     fault: str = ""
 

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import devices, failure, fault
+from . import devices, failure, injection
 from .client import Client, local_client
 from .config import Config
 from .errors import ConfigError, NotInitializedError
@@ -167,7 +167,7 @@ def init(comm: Any = None, *, rank: int | None = None, size: int | None = None,
                 store.set(f"{prefix}host/{info.rank}", info.hostname.encode())
                 info = topology.place(info, [store.get(f"{prefix}host/{r}").decode()
                                              for r in range(info.size)])
-        fault.arm(config.fault, info.rank)
+        injection.arm(config.fault, info.rank)
         pool = threads.affinity()
         why_not = topology.auto_binding(info) if config.bind_to == "auto" else ""
         bound = config.bind_to == "core" or (config.bind_to == "auto" and not why_not)
@@ -178,8 +178,8 @@ def init(comm: Any = None, *, rank: int | None = None, size: int | None = None,
             log.info("rank %d not bound to CPUs: %s", info.rank, why_not)
         threads.at_init(info, store, prefix, pool, bound)
         backends = connect(info, store, config, prefix, comm=comm)
-        if fault.ARMED:
-            fault.hit("init")
+        if injection.ARMED:
+            injection.hit("init")
         _info = info
         _client = Client(store) if store is not None else local_client(config.timeout_s)
         _engine = Engine(info.rank, info.size, backends, config)

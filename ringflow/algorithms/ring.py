@@ -52,7 +52,7 @@ import math
 
 import numpy as np
 
-from .. import fault
+from .. import injection
 from ..errors import TensorError
 from ..ops import ReduceOp
 from ..transport.base import Link
@@ -154,8 +154,8 @@ def allreduce(t: Link, buf: np.ndarray, op: ReduceOp, postscale: float = 1.0,
     bounds = even_split(flat.size, t.size)
     red.prescale_inplace(flat)
     reduce_scatter_ring(t, flat, bounds, red, src)
-    if fault.ARMED:
-        fault.hit("data_mid", flat.nbytes)
+    if injection.ARMED:
+        injection.hit("data_mid", flat.nbytes)
     allgather_ring(t, flat, bounds)
 
 

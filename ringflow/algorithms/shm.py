@@ -95,7 +95,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import fault
+from .. import injection
 from ..collectives import EAGER_BYTES
 from ..errors import PeerError, RingflowTimeoutError, SharedMemoryError
 from ..lane import LINE as _LINE
@@ -307,8 +307,8 @@ class ShmAllreduce:
                 mine = _Mapping(self._path(kind, self.rank), size, create=True)
             except OSError as exc:
                 status = (-(exc.errno or 1), *_space())
-            if fault.ARMED and kind == "d":
-                fault.hit("shm_growth", size)  # this rank's new name exists, none is mapped
+            if injection.ARMED and kind == "d":
+                injection.hit("shm_growth", size)  # this rank's new name exists, none is mapped
             outcomes = self._agree(f"{kind}{gen}/created", status)
             failed = [r for r, (got, _, _) in enumerate(outcomes) if got != gen]
             if failed:
@@ -449,8 +449,8 @@ class ShmAllreduce:
             reduce_parts(parts, 0, b - a, out[a:b], op, postscale)
         if across is not None:
             across(out[lo:hi])
-        if fault.ARMED:
-            fault.hit("data_mid", src.nbytes)
+        if injection.ARMED:
+            injection.hit("data_mid", src.nbytes)
         self.barrier()  # every share is reduced, in its rank's output
         for k, ((pid, _, addr), (a, b)) in enumerate(zip(lines, bounds, strict=True)):
             if k != self.rank and b > a:
@@ -498,8 +498,8 @@ class ShmAllreduce:
         reduce_parts(parts, lo, hi, share, op, postscale, out if mirrored else None)
         if across is not None:
             across(share[lo:hi])
-        if fault.ARMED:
-            fault.hit("data_mid", src.nbytes)
+        if injection.ARMED:
+            injection.hit("data_mid", src.nbytes)
         self.barrier()
         in_place = out.ctypes.data == mine.ctypes.data  # this rank's share is already there
         for k, (a, b) in enumerate(bounds):

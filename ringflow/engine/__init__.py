@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import errors, fault
+from .. import errors, injection
 from ..autotune import Params
 from ..backends import Backends
 from ..config import Config
@@ -190,8 +190,8 @@ class Engine:
 
     def shutdown(self) -> None:
         """Fail what is pending, stop the threads, and close the transport (with a goodbye)."""
-        if fault.ARMED:
-            fault.hit("shutdown")
+        if injection.ARMED:
+            injection.hit("shutdown")
         with self._control():
             if self._refuse is None:
                 self._refuse = ShutdownError("ringflow has been shut down; call init() again")
@@ -366,8 +366,8 @@ class Engine:
             return
         self.stats["requests_sent"] += len(requests)
         self.stats["bits_sent"] += len(bits)
-        if fault.ARMED:
-            fault.hit("submit")
+        if injection.ARMED:
+            injection.hit("submit")
         self.seat.submit(requests, bits, data)
 
     def _close(self, error: BaseException) -> None:

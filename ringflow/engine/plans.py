@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import fault
+from .. import injection
 from ..collectives import Kind, collective
 from ..errors import from_wire
 from ..executor import Entry, unpack
@@ -40,8 +40,8 @@ class Plans:
     def receive(self, plan: list[Response | CachedAllreduce]) -> None:
         """Take in a plan (every rank, in plan order): book-keeping now, execution in order."""
         e = self.e
-        if fault.ARMED:
-            fault.hit("plan")
+        if injection.ARMED:
+            injection.hit("plan")
         queued = False
         for item in plan:
             result = None
@@ -100,12 +100,13 @@ class Plans:
                 if data_plane and e._timeline is not None:
                     for r in resp.requests:
                         e._timeline.started(r.key)
-            nbytes = sum(x.request.nbytes for x in entries if x is not None) if fault.ARMED else 0
-            if data_plane and fault.ARMED:
-                fault.hit("data_start", nbytes)
+            nbytes = (sum(x.request.nbytes for x in entries if x is not None)
+                      if injection.ARMED else 0)
+            if data_plane and injection.ARMED:
+                injection.hit("data_start", nbytes)
             results = e.executor.run(resp, entries) if data_plane else None
-            if data_plane and fault.ARMED:
-                fault.hit("data_end", nbytes)
+            if data_plane and injection.ARMED:
+                injection.hit("data_end", nbytes)
             with e._control():
                 if e._closed:
                     return

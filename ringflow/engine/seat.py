@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .. import fault
+from .. import injection
 from ..autotune import Params, Tuner, fixed_knobs
 from ..errors import RingflowError, ShutdownError
 from ..messages import Handover, Heartbeat, Message, Plan, Submit, encode
@@ -113,8 +113,8 @@ class CoordinatorSeat:
         if self.coordinator is None:  # sent to this rank as the successor before its Handover
             self.early_submits.append((src, msg))
             return
-        if fault.ARMED:
-            fault.hit("negotiate")
+        if injection.ARMED:
+            injection.hit("negotiate")
         if e._timeline is not None:
             e._timeline.arrived(src, msg.requests, msg.bits, e.cache)
         self.coordinator.submit(src, msg.requests, msg.bits, msg.data)

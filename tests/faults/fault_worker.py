@@ -3,7 +3,7 @@
 
 Every rank that finishes writes ``OUTDIR/<rank>.json``: what it saw (results checked in closed
 form, or the class and text of the error it got and how long after the fault it came). A rank
-killed by an injected fault (``RINGFLOW_FAULT``, :mod:`ringflow.fault`) writes nothing; the test
+killed by an injected fault (``RINGFLOW_FAULT``, :mod:`ringflow.injection`) writes nothing; the test
 compares the survivors' files.
 """
 

@@ -1,5 +1,5 @@
 """A rank killed (SIGKILL) or frozen (SIGSTOP) at a chosen point of the protocol, through the fault
-hook (``RINGFLOW_FAULT``, :mod:`ringflow.fault`), in a job of 3 ranks under ``ringflow-run``
+hook (``RINGFLOW_FAULT``, :mod:`ringflow.injection`), in a job of 3 ranks under ``ringflow-run``
 (issue 18).
 
 Killed: every survivor raises within 2 s of the kill, with the same text naming the killed rank;
@@ -115,7 +115,7 @@ def test_compute_pauses_of_half_the_timeout_raise_no_alarm(tmp_path):
 
 
 def test_the_hook_costs_nothing_when_unset():
-    code = ("import ringflow.fault as f, ringflow.engine, ringflow.algorithms.ring; "
+    code = ("import ringflow.injection as f, ringflow.engine, ringflow.algorithms.ring; "
             "print(f.ARMED, f._faults)")
     out = subprocess.run(["python", "-c", code], capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k != "RINGFLOW_FAULT"})

@@ -14,7 +14,7 @@ from ringflow.config import Config
 from ringflow.runner import cli
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "concepts" / "configuration.md"
-#: Not for users: fault injection for the tests (ringflow.fault), documented in DESIGN.md.
+#: Not for users: fault injection for the tests (ringflow.injection), documented in DESIGN.md.
 UNDOCUMENTED = {"fault"}
 
 

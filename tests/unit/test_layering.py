@@ -22,10 +22,10 @@ PACKAGE = Path(ringflow.__file__).resolve().parent
 #: Bottom to top. A module belongs to the layer whose entry is its longest dotted prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base: errors, numbers, settings, message formats, the tables of collectives, polling",
-     ("ringflow.errors", "ringflow.ops", "ringflow.config", "ringflow.fault", "ringflow.handles",
-      "ringflow.messages", "ringflow.wire", "ringflow.batching", "ringflow.topology",
-      "ringflow.threads", "ringflow.compression", "ringflow.collectives", "ringflow.requests",
-      "ringflow.lifeline", "ringflow.overlap",
+     ("ringflow.errors", "ringflow.ops", "ringflow.config", "ringflow.injection",
+      "ringflow.handles", "ringflow.messages", "ringflow.wire", "ringflow.batching",
+      "ringflow.topology", "ringflow.threads", "ringflow.compression", "ringflow.collectives",
+      "ringflow.requests", "ringflow.lifeline", "ringflow.overlap",
       # The pauses and deadline of every polled wait: stores, transports, devices and
       # algorithms all wait with it, so it sits below them all and imports nothing of ringflow.
       "ringflow.polling")),

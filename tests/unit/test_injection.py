@@ -1,4 +1,4 @@
-"""The fault-injection specification (``RINGFLOW_FAULT``, :mod:`ringflow.fault`) and the names
+"""The fault-injection specification (``RINGFLOW_FAULT``, :mod:`ringflow.injection`) and the names
 the supervisor sweeps from /dev/shm."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ringflow import fault
+from ringflow import injection as fault
 from ringflow.algorithms import shm
 from ringflow.config import Config
 from ringflow.errors import ConfigError

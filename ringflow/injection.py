@@ -1,4 +1,4 @@
-"""Fault injection: kill, stop or delay one rank at a named point of the protocol, for tests.
+"""Fault injection for tests: kill, stop or delay one rank at a named point of the protocol.
 
 ``RINGFLOW_FAULT`` holds one or more faults separated by ``;``, each a comma-separated list of
 ``key=value``::
@@ -30,9 +30,9 @@ The points, in protocol order:
 ``shutdown``        ``shutdown()`` was called
 
 Cost when unset: code at a point reads the module global :data:`ARMED` and calls nothing
-(``if fault.ARMED: fault.hit(...)``). The variable is read by :class:`~ringflow.config.Config`
-(``RINGFLOW_FAULT``) and armed by ``init()`` for this process's rank; a bad specification is a
-ConfigError there.
+(``if injection.ARMED: injection.hit(...)``). The variable is read by
+:class:`~ringflow.config.Config` (``RINGFLOW_FAULT``) and armed by ``init()`` for this
+process's rank; a bad specification is a ConfigError there.
 """
 
 from __future__ import annotations
