@@ -29,13 +29,16 @@ job and is raised on the driver as :class:`~ringflow.errors.RankFailure` naming 
 rank (Horovod re-raises Ray's error of whichever rank ``ray.get`` meets first and leaves the other
 actors running, possibly blocked in a collective); ``run``/``execute``/``execute_single`` take a
 ``timeout``; ``shutdown`` waits until the actors are gone; the rendezvous store listens on
-127.0.0.1 when every actor is on the driver's node; elastic mode (``min_workers`` ...), Ray
-Client and the ``callbacks`` of ``run``/``execute`` are not supported; the ssh arguments of
-``create_settings`` are accepted and ignored.
+127.0.0.1 when every actor is on the driver's node; Ray Client and the ``callbacks`` of
+``run``/``execute`` are not supported; the ssh arguments of ``create_settings`` are accepted and
+ignored. Elastic jobs: :class:`ElasticRayExecutor` (:mod:`ringflow.ray.elastic`), Horovod's
+``ElasticRayExecutor``, over ringflow-run's elastic driver.
 """
 
 from __future__ import annotations
 
+from .elastic import ElasticRayExecutor, ElasticRaySettings, RayHostDiscovery
 from .executor import FAILURE_GRACE_S, RayExecutor, RaySettings
 
-__all__ = ["FAILURE_GRACE_S", "RayExecutor", "RaySettings"]
+__all__ = ["FAILURE_GRACE_S", "ElasticRayExecutor", "ElasticRaySettings", "RayExecutor",
+           "RayHostDiscovery", "RaySettings"]

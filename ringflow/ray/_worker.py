@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Worker"]
+__all__ = ["ElasticWorker", "Worker"]
 
 #: Variables a stale environment (the driver's, inherited through the raylet) may hold and that
 #: would mislead ringflow in the actor: another way to find the secret.
@@ -124,6 +124,32 @@ class Worker:
             pickled = None
         _stop_ringflow()
         return ("error", text, trace, isinstance(exc, (PeerError, ShutdownError)), pickled)
+
+
+class ElasticWorker(Worker):
+    """One worker of an :class:`~ringflow.ray.ElasticRayExecutor` job: :meth:`Worker.setup`
+    (with the worker id for ``rank``), then one :meth:`run_elastic`. Its rank changes from one
+    generation to the next, so Ray's prefix of its output lines names the worker id."""
+
+    def __repr__(self) -> str:
+        return "ringflow worker" if self._rank is None else f"ringflow worker {self._rank}"
+
+    def run_elastic(self, fn: Callable[[], Any]) -> tuple[Any, ...]:
+        """``fn()``, as an outcome: ``("ok", value)``, ``("removed",)`` when the driver removed
+        this worker (``init()`` raised ``SystemExit(0)``, which ends a ``ringflow-run`` worker's
+        process), or :meth:`Worker.invoke`'s ``("error", ...)``. ringflow is shut down after
+        it, as the exit of a ``ringflow-run`` worker would."""
+        try:
+            value = fn()
+        except SystemExit as exc:
+            if exc.code in (0, None):
+                _stop_ringflow()
+                return ("removed",)
+            return self._failed(exc)
+        except BaseException as exc:  # every failure goes back to the driver, with its traceback
+            return self._failed(exc)
+        _stop_ringflow()
+        return ("ok", value)
 
 
 def _stop_ringflow() -> None:

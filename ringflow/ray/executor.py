@@ -56,7 +56,7 @@ from ..runner.hosts import Host, WorkerSpec, assign_ranks
 from ..runner.launch import worker_environ
 from ._job import Job
 
-__all__ = ["FAILURE_GRACE_S", "RayExecutor", "RaySettings", "rank_by_node"]
+__all__ = ["FAILURE_GRACE_S", "RayExecutor", "RaySettings", "actor_environ", "rank_by_node"]
 
 log = logging.getLogger(__name__)
 
@@ -345,13 +345,7 @@ class RayExecutor:
         return str(self._ray.util.get_node_ip_address())
 
     def _environ(self, spec: WorkerSpec, job: Job, job_id: str) -> dict[str, str]:
-        env = worker_environ(spec, rendezvous_addr=job.server.host,
-                             rendezvous_port=job.server.port, job_id=job_id, base_env={})
-        # The driver's pid means nothing on another node; GLIBC_TUNABLES is read by glibc at
-        # process start, and Ray started the actor process already (set it in a runtime_env).
-        for name in ("RINGFLOW_LAUNCHER_PID", "GLIBC_TUNABLES"):
-            env.pop(name, None)
-        return env
+        return actor_environ(spec, job.server.host, job.server.port, job_id)
 
     @staticmethod
     def _visible_gpus(infos: list[dict[str, Any]], specs: list[WorkerSpec]) -> dict[int, str]:
@@ -497,6 +491,18 @@ class RayExecutor:
             return None
         _, text, trace, consequence, pickled = outcome
         return _Failure(rank, f"{text}\n{trace}".rstrip(), _unpickle(pickled), consequence)
+
+
+def actor_environ(spec: WorkerSpec, host: str, port: int, job_id: str) -> dict[str, str]:
+    """The environment of DESIGN.md section 5 for the actor of ``spec``, with the store at
+    ``host:port``: ``ringflow-run``'s, less what has no meaning in an actor."""
+    env = worker_environ(spec, rendezvous_addr=host, rendezvous_port=port, job_id=job_id,
+                         base_env={})
+    # The driver's pid means nothing on another node; GLIBC_TUNABLES is read by glibc at
+    # process start, and Ray started the actor process already (set it in a runtime_env).
+    for name in ("RINGFLOW_LAUNCHER_PID", "GLIBC_TUNABLES"):
+        env.pop(name, None)
+    return env
 
 
 def rank_by_node(node_ids: Sequence[str], hostnames: Sequence[str]
