@@ -31,7 +31,8 @@ not removed), else the reason the job failed. It fails at once when a generation
 member left (the in-memory state is gone), past the reset limit, or below ``min_np`` for longer
 than the elastic timeout; a member that does not ask within the elastic timeout once another
 member has asked is stopped (newcomers alone do not start that clock: they wait for the
-members' next ``commit()``, however long their steps). At the end every worker is stopped and its exit waited for.
+members' next ``commit()``, however long their steps). At the end every worker is stopped and
+its exit waited for.
 
 Error messages name the setting to change in the caller's words (:class:`Names`: ``--min-np``
 under ringflow-run, ``min_num_proc`` under Ray).
