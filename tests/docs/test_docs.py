@@ -40,6 +40,8 @@ def env(shims: Path) -> dict[str, str]:
         # Open MPI refuses root unless asked; CI runs as root.
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        # Ray keeps a _node_ip_address of 127.0.0.1 only with this (else it takes eth0's).
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     }
 
 
