@@ -23,6 +23,15 @@ host updates from every rank's view (an allreduce of the maximum), not from rank
 :class:`ObjectState` keeps deep copies, so that a value changed in place after ``commit()`` is
 still rolled back.
 
+**Under torchrun** (``--max-restarts``, ``--nnodes MIN:MAX``) there is no world to re-form in
+place: torchrun's agent stops and restarts every worker after a failure or a membership change.
+What can outlive the workers is its agent store, in the agent's memory: there ``commit()`` on
+rank 0 also puts the saved state (pickled; keys under ``ringflow/<run id>/elastic/``), and a
+restarted job's rank 0 takes it back before the first ``sync()``, so the training resumes from
+the last commit, not from the user's checkpoint. A failure inside ``train`` is then raised at
+once (the agent restarts the workers). That put costs a pickle and a send of the whole state a
+commit (commit less often for a large model); the store is as protected as torchrun's.
+
 :func:`shard` is the sampler's arithmetic (``ElasticSampler`` in the adapters): the indices of
 an epoch (shuffled with ``seed + epoch`` as Horovod does), without the first ``processed`` ones,
 rank ``r`` taking positions ``r, r + size, ...`` -- no padding, so every sample is seen exactly
@@ -35,6 +44,8 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import os
+import pickle
 import random
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +90,7 @@ class State:
             HostsUpdatedInterrupt: the job is to re-form (workers wait to join, a host left).
         """
         self.save()
+        _keep(self)
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -98,6 +110,14 @@ class State:
         raise NotImplementedError
 
     def sync(self) -> None:
+        raise NotImplementedError
+
+    def saved(self) -> Any:
+        """What :meth:`save` keeps (picklable): kept in torchrun's agent store between restarts."""
+        raise NotImplementedError
+
+    def load_saved(self, saved: Any) -> None:
+        """Make ``saved`` (a :meth:`saved` of this kind of state) what :meth:`restore` restores."""
         raise NotImplementedError
 
 
@@ -122,6 +142,12 @@ class ObjectState(State):
         if self._saved_state:
             self._saved_state = self._bcast_object(self._saved_state)
             self._set_attrs()
+
+    def saved(self) -> Any:
+        return {"values": self._saved_state}
+
+    def load_saved(self, saved: Any) -> None:
+        self._saved_state = saved["values"]
 
     def _set_attrs(self) -> None:
         for attr, value in self._saved_state.items():
@@ -149,11 +175,16 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        _resume(state)
         while True:
             try:
                 state.sync()
                 return func(state, *args, **kwargs)
             except HorovodInternalError as exc:
+                if _under_torchrun():
+                    log.info("%s; torchrun restarts the workers, which resume from the last "
+                             "commit", exc)
+                    raise
                 log.info("rolling back to the last commit: %s", exc)
                 state.restore()
             except HostsUpdatedInterrupt as exc:
@@ -168,6 +199,52 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Horovod's ``@hvd.elastic.run`` decorator: ``func(state, ...)`` survives workers leaving
     and joining (see the module doc). The reset is ``shutdown(); init()``."""
     return run_fn(func, _reset)
+
+
+_keepers: dict[str, Any] = {}
+
+
+def _under_torchrun() -> bool:
+    """A torchrun job (its agent store in use) outside a ringflow elastic job."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and runtime.world() is None)
+
+
+def _keeper() -> Any:
+    """torchrun's agent store, keys under ``ringflow/<run id>/elastic/``."""
+    env = os.environ
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    if run_id not in _keepers:
+        from .rendezvous import torch_store
+
+        _keepers[run_id] = torch_store.open_url(
+            env["MASTER_ADDR"], int(env["MASTER_PORT"]), rank(), 0, True,
+            f"ringflow/{run_id}/elastic/", float(env.get("RINGFLOW_TIMEOUT_S", "30")))
+    return _keepers[run_id]
+
+
+def _keep(state: State) -> None:
+    """Under torchrun, rank 0 puts the state just saved in the agent's store (then counts the
+    commit: a count above 0 says a whole state is there)."""
+    if _under_torchrun() and rank() == 0:
+        keeper = _keeper()
+        keeper.set("state", pickle.dumps(state.saved(), protocol=pickle.HIGHEST_PROTOCOL))
+        keeper.add("commits", 1)
+
+
+def _resume(state: State) -> None:
+    """Under torchrun, after a restart: rank 0 takes back the last commit the agent's store
+    kept (the first ``sync()`` then sends it to every rank)."""
+    if (not _under_torchrun() or rank() != 0
+            or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0):
+        return
+    keeper = _keeper()
+    if keeper.add("commits", 0) == 0:
+        log.info("no commit kept from before torchrun's restart: starting from the beginning")
+        return
+    state.load_saved(pickle.loads(keeper.get("state")))  # put there by this job's rank 0
+    state.restore()
+    log.info("resumed from the last commit kept in torchrun's agent store")
 
 
 def shard(length: int, epoch: int, seed: int, shuffle: bool, processed: int, rank: int,

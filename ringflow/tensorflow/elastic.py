@@ -127,6 +127,14 @@ class TensorFlowKerasState(ObjectState):
         self._optimizer.sync()
         super().sync()
 
+    def saved(self) -> Any:
+        return {"model": self._model.values, "optimizer": self._optimizer.values,
+                **super().saved()}
+
+    def load_saved(self, saved: Any) -> None:
+        self._model.values, self._optimizer.values = saved["model"], saved["optimizer"]
+        super().load_saved(saved)
+
 
 class TensorFlowState(ObjectState):
     """A list of ``tf.Variable`` s (eagerly; ``session`` is TF1's and not supported), and plain
@@ -153,3 +161,10 @@ class TensorFlowState(ObjectState):
     def sync(self) -> None:
         self._values.sync()
         super().sync()
+
+    def saved(self) -> Any:
+        return {"variables": self._values.values, **super().saved()}
+
+    def load_saved(self, saved: Any) -> None:
+        self._values.values = saved["variables"]
+        super().load_saved(saved)

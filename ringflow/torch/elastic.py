@@ -197,6 +197,14 @@ class TorchState(ObjectState):
             handler.sync()
         super().sync()
 
+    def saved(self) -> Any:
+        return {"handled": {n: h.saved for n, h in self._handlers.items()}, **super().saved()}
+
+    def load_saved(self, saved: Any) -> None:
+        for name, handler in self._handlers.items():
+            handler.saved = saved["handled"][name]
+        super().load_saved(saved)
+
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})
         if name in handlers:

@@ -390,6 +390,34 @@ def test_keras_fit_rolls_back_the_interrupted_epoch(tmp_path):
     no_workers_left(tmp_path)
 
 
+TORCHRUN_WORKER = str(Path(__file__).parent / "elastic_workers" / "torchrun_steps.py")
+
+
+def test_under_torchrun_a_restart_resumes_from_the_last_commit(tmp_path):
+    """torchrun --max-restarts: rank 1 dies at step 5 of the first attempt; torchrun restarts
+    both workers, which resume from the commit kept in the agent's store (not from step 0), and
+    end with the replay's model."""
+    env = {**os.environ, "OUT": str(tmp_path), "LENGTH": "12", "EPOCHS": "2", "KILL_STEP": "5",
+           "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--max-restarts", "2", TORCHRUN_WORKER], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = finished(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    starts = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("start-*.json")}
+    # Step 5 itself may have been committed: rank 0 reduces a small tensor itself, and rank 1's
+    # contribution can reach it before the SIGKILL.
+    assert starts["start-1-0.json"]["step"] == starts["start-1-1.json"]["step"] in (5, 6), starts
+    plan = schedule(tmp_path)
+    assert [size for _, _, size in plan] == [2] * 12, plan
+    ends = finals(tmp_path)
+    assert len(ends) == 2 and {e["attempt"] for e in ends} == {1}
+    assert {e["w"] for e in ends} == {replay(plan)}
+    no_workers_left(tmp_path)
+
+
 def test_example_runs_elastic(tmp_path):
     """examples/elastic_torch.py, as docs/guides/elastic.md runs it."""
     _torch()

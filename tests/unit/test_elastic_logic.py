@@ -5,6 +5,7 @@ Real processes: tests/multiproc/test_elastic.py."""
 
 from __future__ import annotations
 
+import pickle
 import random
 import time
 
@@ -106,6 +107,20 @@ def test_object_state_commit_restore_and_deep_copies():
     state.seen.append(3)
     state.restore()
     assert (state.epoch, state.seen) == (4, [1, 2])
+
+
+def test_object_state_saved_is_what_a_restarted_process_restores():
+    """What torchrun's agent store keeps between restarts: ``saved()`` pickled, loaded into a
+    new state of the same kind, then restored."""
+    state = ObjectState(bcast_object=_Bcast(), get_rank=lambda: 0, epoch=0, seen=[1])
+    state.epoch, state.seen = 5, [1, 2]
+    state.save()
+    state.epoch = 6  # not committed
+    fresh = ObjectState(bcast_object=_Bcast(), get_rank=lambda: 0, epoch=0, seen=[])
+    fresh.load_saved(pickle.loads(pickle.dumps(state.saved())))
+    assert (fresh.epoch, fresh.seen) == (0, [])  # until restored
+    fresh.restore()
+    assert (fresh.epoch, fresh.seen) == (5, [1, 2])
 
 
 def test_object_state_sync_takes_rank0s_saved_values():

@@ -69,3 +69,26 @@ def test_a_sync_keeps_each_ranks_error_feedback_and_takes_the_rest_from_rank_0()
     got = synced_state(rank0, mine)
     assert got == {"compression": "powersgd:rank=2", "active": True, "errors": {"w": "mine"},
                    "factors": {"w": "Q"}, "steps": {"w": 7}, "server": {}}
+
+
+def test_torch_state_saved_is_what_a_restarted_process_restores():
+    """torchrun's agent store keeps ``saved()`` pickled between restarts: loaded into the state
+    of a fresh model and optimizer, ``restore()`` gives them the committed values."""
+    import pickle
+
+    from ringflow.torch.elastic import TorchState
+
+    model, opt = _trained()
+    state = TorchState(model, opt, step=4)
+    committed = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # after the commit
+    fresh_model = copy.deepcopy(model)  # the values after the commit; no optimizer state yet
+    fresh_opt = torch.optim.Adam(fresh_model.parameters(), lr=0.1)
+    assert not _equal(fresh_model.state_dict(), committed[0])
+    fresh = TorchState(fresh_model, fresh_opt, step=0)
+    fresh.load_saved(pickle.loads(pickle.dumps(state.saved())))
+    fresh.restore()
+    assert fresh.step == 4
+    assert _equal(fresh_model.state_dict(), committed[0])
+    assert _equal(fresh_opt.state_dict()["state"], committed[1]["state"])
