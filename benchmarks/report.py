@@ -161,6 +161,10 @@ ROWS = (
     Row("the same, DDP on backend `\"ringflow\"` vs DDP on gloo (the backend's name changed)",
         "torch_ddp_vs_ringflow", _training("ddp_ringflow"),
         (("threads", "launcher"), ("horovod_script", False))),
+    Row("the ceiling of any synchronous exchange: no gradient exchange, the ranks kept in step by "
+        "one 4-byte allreduce a step, vs DDP on gloo (`--threads launcher --peers ... lockstep`)",
+        "torch_ddp_vs_ringflow", _training("lockstep"),
+        (("threads", "launcher"), ("horovod_script", False), ("lockstep", True))),
     Row("25 M MLP / small CNN training, `torch.set_num_threads(1)` in the script "
         "(`--threads script`)", "torch_ddp_vs_ringflow", _training("ringflow"),
         (("threads", "script"), ("horovod_script", False))),

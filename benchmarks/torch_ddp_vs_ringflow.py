@@ -319,7 +319,8 @@ def main() -> None:
     # samples/s and the median of its per-round ratios to DDP on gloo
     figures: dict[str, Any] = {"threads": args.threads, "rounds": args.rounds,
                                "batch_size": args.batch_size, "models": {},
-                               "horovod_script": args.horovod_script is not None}
+                               "horovod_script": args.horovod_script is not None,
+                               "lockstep": "lockstep" in args.peers}
     for res, key in zip(results, ["horovod_script"] if args.horovod_script else args.models,
                         strict=True):
         figures["models"][key] = {
