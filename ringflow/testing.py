@@ -46,12 +46,14 @@ a launcher or a script, or whose ranks are started by one. Contract:
   ``stderr`` (``stderr`` is merged into ``stdout`` unless ``merge_stderr=False``; bytes that are
   not UTF-8 are replaced), ``killed`` (why the harness killed it, else empty).
 - At the deadline, every command's process group that has not ended is killed (SIGKILL to the
-  group: the command and everything it started that stayed in its group). With ``check`` (the
-  default), the first command that exits non-zero also gets the others' groups killed at once
-  (they are usually its peers, waiting for it), and the call raises :class:`CommandFailure`, whose
-  message shows every command's exit code, why it was killed and the end of its output. A
-  command that exited on its own is never killed, nor what it left behind in its group (tests
-  of orphans need to see that), unless its output is still open at the deadline.
+  group: the command and everything it started that stayed in its group), and the call raises
+  :class:`CommandFailure`, whatever ``check`` says: a hang always fails the test. With ``check``
+  (the default), a command that exits non-zero fails the call too, and gets the others' groups
+  killed at once (they are usually its peers, waiting for it); without it, every command runs
+  to its end and its exit code is the caller's to judge. A command that exited on its own is
+  never killed, nor what it left behind in its group (tests of orphans need to see that),
+  unless its output is still open at the deadline. The failure's message shows every command's
+  exit code or why it was killed, and the end of its output.
 - ``retry_if(results)``: when a checked run failed and it returns true, every command is run once
   more (for a known flake of a third party, documented where it is passed).
 """
@@ -463,7 +465,8 @@ class CommandFailure(RingflowError, RuntimeError):
                 r.killed, f"exit code {r.returncode}")
             parts.append(f"--- command {i}: {' '.join(r.args)} ({how}) ---\n"
                          f"{r.output[-_SHOWN_CHARS:]}")
-        failed = [i for i, r in enumerate(results) if r.returncode != 0 and r.killed != "failure"]
+        failed = [i for i, r in enumerate(results)
+                  if (r.returncode != 0 and r.killed != "failure") or r.timed_out]
         super().__init__(
             f"command {', '.join(map(str, failed))} of {len(results)} failed (raise timeout= if "
             f"the test is only slow); every command's output:\n" + "\n".join(parts))
@@ -537,8 +540,8 @@ def run_commands(
     process's). ``cwd``: the working directory of every command.
 
     Raises:
-        CommandFailure: with ``check``, a command that exited non-zero or was still running at
-            the deadline (every command's group is killed first).
+        CommandFailure: a command still running at the deadline, or with ``check`` one that
+            exited non-zero (every command's group is killed first).
         ConfigError: no command, or a list of environments of another length.
     """
     if not commands:
@@ -557,7 +560,7 @@ def run_commands(
     if check and failed and retry_if is not None and retry_if(results):
         results = _run_commands(commands, envs, where, timeout, check, merge_stderr)
         failed = any(r.returncode != 0 for r in results)
-    if check and failed:
+    if (check and failed) or any(r.timed_out for r in results):
         raise CommandFailure(results, timeout)
     return results
 

@@ -86,9 +86,11 @@ def test_deadline_kills_the_whole_group_and_leaves_nothing(tmp_path: Path) -> No
     assert all(gone(p) for p in started), started
 
 
-def test_deadline_without_check_returns_the_killed_command() -> None:
-    (r,) = run_commands([[PY, "-c", "print('started', flush=True); import time; time.sleep(60)"]],
-                        timeout=1, check=False)
+def test_deadline_fails_even_without_check() -> None:
+    with pytest.raises(CommandFailure) as info:
+        run_commands([[PY, "-c", "print('started', flush=True); import time; time.sleep(60)"]],
+                     timeout=1, check=False)
+    (r,) = info.value.results
     assert r.timed_out and r.stdout == "started\n"
 
 
