@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -65,12 +66,9 @@ FORKING = """
 def test_forked_child_that_exits_normally_leaves_the_job_alone(tmp_path, transport):
     script = tmp_path / "forking.py"
     script.write_text(textwrap.dedent(FORKING))
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", "2", "--transport", transport,
-         sys.executable, str(script)],
-        env=ENV, capture_output=True, text=True, timeout=90,
-    )
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", "2", "--transport", transport,
+          sys.executable, str(script)]], env=ENV, timeout=90, merge_stderr=False)
     for rank in range(2):
         assert f"[{rank}]:rank {rank} ok; the child was no rank" in proc.stdout.splitlines()
 
