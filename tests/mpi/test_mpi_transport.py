@@ -161,9 +161,8 @@ def test_a_frozen_rank_fails_the_job_on_every_other_rank(tmp_path: Path) -> None
 def test_available_reports_the_library_without_initializing_mpi_here() -> None:
     code = ("import sys, ringflow, ringflow.transport.mpi as m; v = m.available(); "
             "print(v); print('mpi4py.MPI' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands([[sys.executable, "-c", code]], env={**os.environ, "PYTHONPATH": ROOT},
+                           timeout=60, merge_stderr=False)
     version, imported = proc.stdout.splitlines()
     assert "MPI" in version and "\0" not in version, version
     assert imported == "False"  # import ringflow / available() never initialize MPI
