@@ -52,8 +52,10 @@ a launcher or a script, or whose ranks are started by one. Contract:
   killed at once (they are usually its peers, waiting for it); without it, every command runs
   to its end and its exit code is the caller's to judge. A command that exited on its own is
   never killed, nor what it left behind in its group (tests of orphans need to see that),
-  unless its output is still open at the deadline. The failure's message shows every command's
-  exit code or why it was killed, and the end of its output.
+  unless its output is still open at the deadline. A process that left its group (a new
+  session) is out of reach: if it holds a command's output open, the call fails at the deadline
+  with the output read until then. The failure's message shows every command's exit code or why
+  it was killed, and the end of its output.
 - ``retry_if(results)``: when a checked run failed and it returns true, every command is run once
   more (for a known flake of a third party, documented where it is passed).
 """
@@ -496,7 +498,9 @@ class _Command:
 
     @staticmethod
     def _read(pipe: Any, chunks: list[bytes]) -> None:
-        with contextlib.suppress(OSError, ValueError):
+        # The reader closes its pipe itself: closing it from another thread while a read is
+        # blocked (a process outside the group holds the pipe) would wait on the read's lock.
+        with contextlib.suppress(OSError, ValueError), pipe:
             while data := pipe.read1(65536):
                 chunks.append(data)
 
@@ -516,9 +520,6 @@ class _Command:
         end = time.monotonic() + _KILL_GRACE_S
         for reader in self.readers:
             reader.join(max(0.0, end - time.monotonic()))
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
         out, err = (b"".join(c).decode(errors="replace") for c in self.chunks)
         return CommandResult(self.args, self.proc.returncode, out, err, self.killed)
 
