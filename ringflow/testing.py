@@ -1,5 +1,7 @@
 """Harnesses that run the ranks of a test: :func:`run_ranks` and :func:`run_engines` (threads
-of this process), :func:`spawn_ranks` (processes).
+of this process), :func:`spawn_ranks` (processes running a plain function), and
+:func:`run_commands` (processes started as commands: ``ringflow-run``, torchrun, mpirun, a
+script). Every test that starts processes does so through one of the last two.
 
 ``run_ranks(n, fn)`` starts ``n`` daemon threads; thread ``r`` builds the transport of rank ``r``
 and calls ``fn(t, *args)``. ``run_engines(n, fn)`` does the same with a whole
@@ -33,6 +35,29 @@ thread is bound to its engine (:func:`ringflow.runtime.bound`) while ``fn`` runs
 ``ringflow.rank()``, ``ProcessSet.included()`` and the collectives called on it act for that
 rank; ``rf`` binds every call it makes, so it works on any thread (done-callbacks run on the
 engine's threads). ``ringflow.get_client()`` is one in-memory store shared by the ranks.
+
+Commands (``run_commands(commands, env=, cwd=, timeout=, check=)``), for tests whose subject is
+a launcher or a script, or whose ranks are started by one. Contract:
+
+- Every command starts at once, each in a session (and process group) of its own, with stdin
+  from /dev/null; all share one deadline, ``timeout`` seconds from the start.
+- A command ends when its process has exited and its output is closed. Returns one
+  :class:`CommandResult` per command, in order: ``args``, ``returncode``, ``stdout`` and
+  ``stderr`` (``stderr`` is merged into ``stdout`` unless ``merge_stderr=False``; bytes that are
+  not UTF-8 are replaced), ``killed`` (why the harness killed it, else empty).
+- At the deadline, every command's process group that has not ended is killed (SIGKILL to the
+  group: the command and everything it started that stayed in its group), and the call raises
+  :class:`CommandFailure`, whatever ``check`` says: a hang always fails the test. With ``check``
+  (the default), a command that exits non-zero fails the call too, and gets the others' groups
+  killed at once (they are usually its peers, waiting for it); without it, every command runs
+  to its end and its exit code is the caller's to judge. A command that exited on its own is
+  never killed, nor what it left behind in its group (tests of orphans need to see that),
+  unless its output is still open at the deadline. A process that left its group (a new
+  session) is out of reach: if it holds a command's output open, the call fails at the deadline
+  with the output read until then. The failure's message shows every command's exit code or why
+  it was killed, and the end of its output.
+- ``retry_if(results)``: when a checked run failed and it returns true, every command is run once
+  more (for a known flake of a third party, documented where it is passed).
 """
 
 from __future__ import annotations
@@ -40,20 +65,32 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .config import Config
-from .errors import ConfigError, PeerError, RankFailure
+from .errors import ConfigError, PeerError, RankFailure, RingflowError
 from .transport import Transport, create
 from .transport.loopback import LoopbackWorld
 
-__all__ = ["EngineRank", "run_engines", "run_ranks", "spawn_ranks"]
+__all__ = [
+    "CommandFailure",
+    "CommandResult",
+    "EngineRank",
+    "run_commands",
+    "run_engines",
+    "run_ranks",
+    "spawn_ranks",
+]
 
 # After an abort, how long (at most, and never longer than the deadline) run_ranks waits for the
 # released threads to return before it raises anyway (they are daemon threads; a rank stuck
@@ -381,3 +418,173 @@ def spawn_ranks(
     if n < 1:
         raise ConfigError(f"spawn_ranks(n={n}) needs at least one rank; pass n >= 1")
     return run(fn, args, np=n, timeout=deadline)
+
+
+# --- run_commands (processes started as commands) ----------------------------------------------
+
+# How much of each command's output a CommandFailure shows (its end: where the error is).
+_SHOWN_CHARS = 8000
+# After a kill, how long the output readers may take to see end-of-file (a process that left the
+# group keeps the pipe open; its output is then cut there).
+_KILL_GRACE_S = 5.0
+# How often the waiting loop looks at the processes; small next to any command's run time.
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """How one command of :func:`run_commands` ended (the fields of
+    :class:`subprocess.CompletedProcess`, plus ``killed``)."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    #: Why run_commands killed it: ``""`` (it ended on its own), ``"deadline"`` (still running
+    #: at the deadline) or ``"failure"`` (another command failed first, under ``check``).
+    killed: str = ""
+
+    @property
+    def timed_out(self) -> bool:
+        return self.killed == "deadline"
+
+    @property
+    def output(self) -> str:
+        """``stdout`` then ``stderr``."""
+        return self.stdout + self.stderr
+
+
+class CommandFailure(RingflowError, RuntimeError):
+    """A command of :func:`run_commands` exited non-zero or was killed; ``results`` holds every
+    command's :class:`CommandResult`, and the message every output's end."""
+
+    def __init__(self, results: Sequence[CommandResult], timeout: float) -> None:
+        self.results = list(results)
+        parts = []
+        for i, r in enumerate(results):
+            how = {"deadline": f"killed at the {timeout:g} s deadline",
+                   "failure": "killed when another command failed"}.get(
+                r.killed, f"exit code {r.returncode}")
+            parts.append(f"--- command {i}: {' '.join(r.args)} ({how}) ---\n"
+                         f"{r.output[-_SHOWN_CHARS:]}")
+        failed = [i for i, r in enumerate(results)
+                  if (r.returncode != 0 and r.killed != "failure") or r.timed_out]
+        super().__init__(
+            f"command {', '.join(map(str, failed))} of {len(results)} failed (raise timeout= if "
+            f"the test is only slow); every command's output:\n" + "\n".join(parts))
+
+
+class _Command:
+    """One started command: its process and the threads reading its pipes."""
+
+    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
+                 merge: bool) -> None:
+        self.args = [str(a) for a in args]
+        self.proc = subprocess.Popen(
+            self.args, env=None if env is None else dict(env), cwd=cwd,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge else subprocess.PIPE, start_new_session=True)
+        self.chunks: tuple[list[bytes], list[bytes]] = ([], [])
+        self.readers = [
+            threading.Thread(target=self._read, args=(pipe, chunks), daemon=True,
+                             name="ringflow-command-output")
+            for pipe, chunks in zip((self.proc.stdout, self.proc.stderr), self.chunks,
+                                    strict=True)
+            if pipe is not None
+        ]
+        for reader in self.readers:
+            reader.start()
+        self.killed = ""
+
+    @staticmethod
+    def _read(pipe: Any, chunks: list[bytes]) -> None:
+        # The reader closes its pipe itself: closing it from another thread while a read is
+        # blocked (a process outside the group holds the pipe) would wait on the read's lock.
+        with contextlib.suppress(OSError, ValueError), pipe:
+            while data := pipe.read1(65536):
+                chunks.append(data)
+
+    def ended(self) -> bool:
+        return self.proc.poll() is not None and not any(t.is_alive() for t in self.readers)
+
+    def kill(self, why: str) -> None:
+        """SIGKILL to the command's process group, unless it ended on its own."""
+        if self.ended():
+            return
+        self.killed = self.killed or why
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def result(self) -> CommandResult:
+        self.proc.wait()
+        end = time.monotonic() + _KILL_GRACE_S
+        for reader in self.readers:
+            reader.join(max(0.0, end - time.monotonic()))
+        out, err = (b"".join(c).decode(errors="replace") for c in self.chunks)
+        return CommandResult(self.args, self.proc.returncode, out, err, self.killed)
+
+
+def run_commands(
+    commands: Sequence[Sequence[str]],
+    *,
+    env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float = 120.0,
+    check: bool = True,
+    merge_stderr: bool = True,
+    retry_if: Callable[[list[CommandResult]], bool] | None = None,
+) -> list[CommandResult]:
+    """Run every command of ``commands`` (each an argv) at once under one deadline; return how
+    each ended, in order (see the module doc for the contract).
+
+    ``env``: the environment of every command, or a sequence of one per command (default: this
+    process's). ``cwd``: the working directory of every command.
+
+    Raises:
+        CommandFailure: a command still running at the deadline, or with ``check`` one that
+            exited non-zero (every command's group is killed first).
+        ConfigError: no command, or a list of environments of another length.
+    """
+    if not commands:
+        raise ConfigError("run_commands needs at least one command")
+    envs: Sequence[Mapping[str, str] | None]
+    if env is None or isinstance(env, Mapping):
+        envs = [env] * len(commands)
+    else:
+        envs = env
+        if len(envs) != len(commands):
+            raise ConfigError(f"run_commands got {len(commands)} commands and {len(envs)} "
+                              f"environments; pass one environment, or one per command")
+    where = None if cwd is None else os.fspath(cwd)
+    results = _run_commands(commands, envs, where, timeout, check, merge_stderr)
+    failed = any(r.returncode != 0 for r in results)
+    if check and failed and retry_if is not None and retry_if(results):
+        results = _run_commands(commands, envs, where, timeout, check, merge_stderr)
+        failed = any(r.returncode != 0 for r in results)
+    if (check and failed) or any(r.timed_out for r in results):
+        raise CommandFailure(results, timeout)
+    return results
+
+
+def _run_commands(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str] | None],
+                  cwd: str | None, timeout: float, check: bool,
+                  merge: bool) -> list[CommandResult]:
+    end = time.monotonic() + timeout
+    started: list[_Command] = []
+    try:
+        for argv, env in zip(commands, envs, strict=True):
+            started.append(_Command(argv, env, cwd, merge))
+    except BaseException:  # a missing program: nothing started may outlive the call
+        for c in started:
+            c.kill("failure")
+            c.result()
+        raise
+    while not all(c.ended() for c in started) and time.monotonic() < end:
+        if check and any(c.proc.poll() not in (None, 0) for c in started):
+            for c in started:
+                if c.proc.poll() is None:
+                    c.kill("failure")
+        time.sleep(_POLL_S)
+    for c in started:
+        c.kill("deadline")  # only those that have not ended
+    return [c.result() for c in started]

@@ -10,11 +10,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import ringflow
+from ringflow.testing import CommandResult, run_commands
 
 ROOT = Path(ringflow.__file__).resolve().parent.parent
 JOB = str(Path(__file__).resolve().parent / "workers" / "job.py")
@@ -43,29 +43,15 @@ def free_port() -> int:
 
 
 def run_all(commands: Sequence[tuple[Sequence[str], Mapping[str, str]]], timeout: float = 150,
-            cwd: str | None = None) -> list[subprocess.CompletedProcess[str]]:
-    """Start every (argv, env) at once; wait for all with one deadline, killing the rest when it
-    passes (the test then fails with everything they printed)."""
-    procs = [subprocess.Popen(list(argv), env=dict(env), cwd=cwd or str(ROOT), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-             for argv, env in commands]
-    deadline = time.monotonic() + timeout
-    done = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-            out, _ = proc.communicate()
-            out += f"\n[killed at the {timeout:.0f} s deadline]"
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
-    return done
+            cwd: str | None = None) -> list[CommandResult]:
+    """:func:`ringflow.testing.run_commands` for (argv, env) pairs, run in the checkout, exit
+    codes left to the caller (:func:`passes` checks them): one deadline for all, every group
+    killed at it, and then the test fails with everything they printed."""
+    return run_commands([argv for argv, _ in commands], env=[env for _, env in commands],
+                        cwd=cwd or str(ROOT), timeout=timeout, check=False)
 
 
-def passes(results: Sequence[subprocess.CompletedProcess[str]]) -> list[str]:
+def passes(results: Sequence[CommandResult]) -> list[str]:
     """The PASS lines of every process, sorted; fails with the output when one failed."""
     out = "\n".join(r.stdout for r in results)
     assert all(r.returncode == 0 for r in results), out[-6000:]
@@ -78,7 +64,7 @@ def pass_lines(out: str) -> list[str]:
     return sorted(m.strip() for m in re.findall(r"PASS rank [^\n]*?(?=PASS rank|\n|$)", out))
 
 
-def phase(result: subprocess.CompletedProcess[str], name: str) -> str:
+def phase(result: CommandResult, name: str) -> str:
     """What phase ``name`` of a driver that runs several in one engine session printed (between
     ``== PHASE name`` and ``== END name ok``, see workers/phases.py); fails with the driver's
     output when that phase failed or never ended."""

@@ -29,6 +29,7 @@ pytest.importorskip("torch")
 from engine_harness import clean_env, free_port, loopback_namespace, python, run_all
 
 from ringflow import threads
+from ringflow.testing import CommandResult
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,7 +51,7 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
-def reports(results: list[subprocess.CompletedProcess[str]], n: int = 2) -> list[dict[str, Any]]:
+def reports(results: list[CommandResult], n: int = 2) -> list[dict[str, Any]]:
     out = "\n".join(r.stdout for r in results)
     assert all(r.returncode == 0 for r in results), out[-6000:]
     decoder = json.JSONDecoder()  # processes that share a pipe may run their lines together

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
 WORKER = str(Path(__file__).resolve().parent / "fault_worker.py")
@@ -37,19 +38,17 @@ class Job:
 def launch(scenario: str, n: int, out: Path, *args: str, extra_env: dict[str, str] | None = None,
            flags: tuple[str, ...] = (), wrapper: tuple[str, ...] = (),
            timeout: float = 90, worker: str = WORKER) -> Job:
-    """Run ``scenario`` on ``n`` ranks under ``wrapper`` (a command prefix); every rank's JSON.
+    """Run ``scenario`` on ``n`` ranks under ``wrapper`` (a command prefix) with
+    :func:`ringflow.testing.run_commands` (past ``timeout`` the job is killed and the test
+    fails); every rank's JSON.
     ``worker`` is the script (``fault_worker.py``'s scenarios by default; another script gets
     ``OUTDIR ARGS...``, without a scenario, when ``scenario`` is empty)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [*wrapper, sys.executable, "-m", "ringflow.runner", "-np", str(n), *flags,
            sys.executable, worker, *filter(None, [scenario]), str(out), *args]
     start = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, env=env(**(extra_env or {})), capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{scenario or Path(worker).name} on {n} ranks did not finish within "
-                    f"{timeout} s:\n{exc.stdout}\n{exc.stderr}")
+    (proc,) = run_commands([cmd], env=env(**(extra_env or {})), timeout=timeout, check=False,
+                           merge_stderr=False)
     wall = time.monotonic() - start
     results = {}
     for path in out.glob("*.json"):

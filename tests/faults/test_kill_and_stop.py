@@ -13,10 +13,11 @@ naming the frozen rank, by both survivors alike; and compute pauses of 0.5 T rai
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 from faults_harness import alive, fault_time, launch, same_text, small_shm_wrapper
+
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -117,6 +118,6 @@ def test_compute_pauses_of_half_the_timeout_raise_no_alarm(tmp_path):
 def test_the_hook_costs_nothing_when_unset():
     code = ("import ringflow.injection as f, ringflow.engine, ringflow.algorithms.ring; "
             "print(f.ARMED, f._faults)")
-    out = subprocess.run(["python", "-c", code], capture_output=True, text=True,
-                         env={k: v for k, v in os.environ.items() if k != "RINGFLOW_FAULT"})
+    (out,) = run_commands([["python", "-c", code]], timeout=60, merge_stderr=False,
+                          env={k: v for k, v in os.environ.items() if k != "RINGFLOW_FAULT"})
     assert out.stdout.split() == ["False", "[]"], out

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,22 +45,15 @@ def mpirun_flags() -> list[str]:
 
 def mpirun(scenario: str, n: int, out: Path, env: dict[str, str] | None = None,
            timeout: float = 100, ok: bool = True) -> tuple[dict[int, dict[str, Any]], Any]:
-    """Run ``scenario`` on ``n`` ranks; return (each reporting rank's JSON by rank, process)."""
+    """Run ``scenario`` on ``n`` ranks (with ``ok``, mpirun must exit 0); return (each reporting
+    rank's JSON by rank, how mpirun ended)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("RINGFLOW_")}
     base["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, base.get("PYTHONPATH")]))
     base.update(env or {})
     exports = [f for k in (env or {}) for f in ("-x", k)] if "Open MPI" in _version() else []
-    try:
-        proc = subprocess.run(
-            [MPIRUN, *mpirun_flags(), *exports, "-np", str(n), sys.executable, WORKER, scenario,
-             str(out)],
-            env=base, capture_output=True, text=True, timeout=timeout, cwd=str(out),
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{scenario} on {n} ranks did not finish within {timeout} s (a hang):\n"
-                    f"{exc.stdout}\n{exc.stderr}")
-    if ok:
-        assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout}\n{proc.stderr}"
+    (proc,) = run_commands(
+        [[MPIRUN, *mpirun_flags(), *exports, "-np", str(n), sys.executable, WORKER, scenario,
+          str(out)]], cwd=out, env=base, timeout=timeout, check=ok, merge_stderr=False)
     results = {}
     for path in out.glob("*.json"):
         data = json.loads(path.read_text())
@@ -167,9 +161,8 @@ def test_a_frozen_rank_fails_the_job_on_every_other_rank(tmp_path: Path) -> None
 def test_available_reports_the_library_without_initializing_mpi_here() -> None:
     code = ("import sys, ringflow, ringflow.transport.mpi as m; v = m.available(); "
             "print(v); print('mpi4py.MPI' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands([[sys.executable, "-c", code]], env={**os.environ, "PYTHONPATH": ROOT},
+                           timeout=60, merge_stderr=False)
     version, imported = proc.stdout.splitlines()
     assert "MPI" in version and "\0" not in version, version
     assert imported == "False"  # import ringflow / available() never initialize MPI

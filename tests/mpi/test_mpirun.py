@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,11 +50,8 @@ def test_mpirun_np_2_allreduce(tmp_path):
     script.write_text(JOB)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGFLOW_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [MPIRUN, *mpirun_flags(), "-np", "2", sys.executable, str(script)],
-        env=env, capture_output=True, text=True, timeout=100, cwd=str(tmp_path),
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (proc,) = run_commands([[MPIRUN, *mpirun_flags(), "-np", "2", sys.executable, str(script)]],
+                           cwd=tmp_path, env=env, timeout=100, merge_stderr=False)
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
     assert lines == ["rank 0 of 2 local 0 sum 3", "rank 1 of 2 local 1 sum 3"], proc.stdout
 
@@ -64,12 +62,9 @@ def test_stall_shutdown_then_shutdown_and_init_under_mpirun(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGFLOW_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env["RINGFLOW_STALL_SHUTDOWN_S"] = "2"  # local ranks inherit mpirun's environment
-    proc = subprocess.run(
-        [MPIRUN, *mpirun_flags(), "-np", "2", sys.executable, str(script)],
-        env=env, capture_output=True, text=True, timeout=100, cwd=str(tmp_path),
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    (proc,) = run_commands([[MPIRUN, *mpirun_flags(), "-np", "2", sys.executable, str(script)]],
+                           cwd=tmp_path, env=env, timeout=100)
+    out = proc.output
     assert out.count("PASS rank") == 2, out[-4000:]
 
 
@@ -83,13 +78,10 @@ def test_everything_under_mpirun_including_the_key_value_client(tmp_path, np_):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGFLOW_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [MPIRUN, *mpirun_flags(), "-np", str(np_), sys.executable, str(job), "--size",
-         str(np_), "--train"],
-        env=env, capture_output=True, text=True, timeout=100, cwd=str(tmp_path),
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    (proc,) = run_commands(
+        [[MPIRUN, *mpirun_flags(), "-np", str(np_), sys.executable, str(job), "--size",
+          str(np_), "--train"]], cwd=tmp_path, env=env, timeout=100, merge_stderr=False)
+    out = proc.output
     passes = re.findall(r"PASS rank [^\n]*?(?=PASS rank|\n|$)", proc.stdout)  # lines may join
     # Open MPI numbers local ranks in its own order (3 ranks on 2 cores: 0, 2, 1).
     got = sorted(re.sub(r"local \d+/", "local ?/", p.strip()) for p in passes)

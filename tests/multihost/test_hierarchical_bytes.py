@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -21,6 +20,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import netns_cluster
+
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,9 +40,7 @@ def _job(c: netns_cluster.Cluster, transport: str) -> list[dict]:
             c, dict.fromkeys(range(HOSTS), LOCAL), sys.executable, WORKER, "--bytes", str(S),
             "--iters", "2", "--interface", c.interface, "--out", out,
         )
-        proc = subprocess.run(cmd, env=dict(os.environ, RINGFLOW_TRANSPORT=transport),
-                              capture_output=True, text=True, timeout=100, check=False)
-        assert proc.returncode == 0, proc.stderr
+        run_commands([cmd], env=dict(os.environ, RINGFLOW_TRANSPORT=transport), timeout=100)
         results = []
         for r in range(HOSTS * LOCAL):
             with open(os.path.join(out, f"rank{r}.json")) as f:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,7 +74,7 @@ def test_unreachable_host_fails_the_job_within_the_start_timeout(hosts, ghost, p
     command[command.index("-H") + 1] = f"{hosts.hosts[0]}:1,{address}:1"
     command[command.index("--ssh-config-file") + 1] = config
     start = time.monotonic()
-    proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=90)
+    (proc,) = run_commands([command], env=ENV, timeout=90, check=False, merge_stderr=False)
     took = time.monotonic() - start
     assert proc.returncode == 255, proc.stderr
     assert f"ringflow-run: rank 1 on host {address} exited with code 255" in proc.stderr

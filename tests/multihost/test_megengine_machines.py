@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -90,25 +91,16 @@ def secret_file(tmp_path: Path) -> str:
 def launch(parts: list[tuple[list[str], list[str], dict[str, str]]], tmp_path: Path,
            timeout: float = 240) -> list[dict]:
     """Start ``prefix + [python, machine.py, *args]`` for each part at once; return each OUT."""
-    procs = []
-    for i, (prefix, args, env) in enumerate(parts):
-        out = tmp_path / f"machine{i}.json"
-        full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            filter(None, [ROOT, os.environ.get("PYTHONPATH")])), **env}
-        procs.append((subprocess.Popen(
-            [*prefix, sys.executable, MACHINE, *args[:6], str(out), *args[6:]], env=full_env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    outs = [tmp_path / f"machine{i}.json" for i in range(len(parts))]
+    done = run_commands(
+        [[*prefix, sys.executable, MACHINE, *args[:6], str(out), *args[6:]]
+         for (prefix, args, _), out in zip(parts, outs, strict=True)],
+        env=[{**os.environ, "PYTHONPATH": path, **env} for _, _, env in parts], timeout=timeout)
     results = []
-    for proc, out in procs:
-        try:
-            log, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p, _ in procs:
-                p.kill()
-            pytest.fail(f"a machine did not finish within {timeout} s")
-        assert proc.returncode == 0, log
+    for result, out in zip(done, outs, strict=True):
         data = json.loads(out.read_text())
-        data["log"] = log
+        data["log"] = result.output
         results.append(data)
     return results
 

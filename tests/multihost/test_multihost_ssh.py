@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -105,10 +106,8 @@ def test_unknown_host_key_is_refused(hosts, tmp_path):
     saved = known.read_text()
     known.write_text("")
     try:
-        proc = subprocess.run(
-            [*launcher_args(hosts), sys.executable, "-c", "print('ran')"], env=ENV,
-            capture_output=True, text=True, timeout=60,
-        )
+        (proc,) = run_commands([[*launcher_args(hosts), sys.executable, "-c", "print('ran')"]],
+                               env=ENV, timeout=60, check=False, merge_stderr=False)
     finally:
         known.write_text(saved)
     assert proc.returncode == 255, proc.stderr
@@ -185,8 +184,8 @@ def test_remote_exit_code_and_signal_are_reported(hosts, line, code, report):
     body = ("import os, signal, sys, time\n"
             f"if os.environ['RINGFLOW_RANK'] == '2': {line}\n"
             "time.sleep(60)\n")
-    proc = subprocess.run([*launcher_args(hosts), sys.executable, "-c", body], env=ENV,
-                          capture_output=True, text=True, timeout=60)
+    (proc,) = run_commands([[*launcher_args(hosts), sys.executable, "-c", body]], env=ENV,
+                           timeout=60, check=False, merge_stderr=False)
     assert proc.returncode == code, proc.stderr
     assert f"rank 2 on host {hosts.hosts[1]} {report}" in proc.stderr
 
@@ -194,13 +193,11 @@ def test_remote_exit_code_and_signal_are_reported(hosts, line, code, report):
 def test_without_network_interface_the_store_listens_on_the_routed_address(hosts):
     """Hosts given as addresses: the store and the workers find their addresses by route."""
     a1, a2 = hosts.addresses
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", "2", "-H", f"{a1}:1,{a2}:1",
-         "--ssh-config-file", hosts.ssh_config, sys.executable,
-         os.path.join(ROOT, "examples", "numpy_allreduce.py")],
-        env=ENV, capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", "2", "-H", f"{a1}:1,{a2}:1",
+          "--ssh-config-file", hosts.ssh_config, sys.executable,
+          os.path.join(ROOT, "examples", "numpy_allreduce.py")]],
+        env=ENV, timeout=60, merge_stderr=False)
     assert sorted(proc.stdout.splitlines()) == [
         f"[{r}]:rank {r}/2: allreduce sum = 3 (expected 3); allgather rows = 3" for r in range(2)
     ]
@@ -227,9 +224,8 @@ def test_each_remote_host_decides_its_thread_counts(hosts, tmp_path, mine):
     script.write_text(textwrap.dedent(THREADS))
     extra = ["-x", f"OMP_NUM_THREADS={mine}"] if mine else []
     env = {k: v for k, v in ENV.items() if k not in (*threads.VARIABLES, threads.MARK)}
-    proc = subprocess.run([*launcher_args(hosts, *extra), sys.executable, str(script)], env=env,
-                          cwd=str(tmp_path), capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands([[*launcher_args(hosts, *extra), sys.executable, str(script)]],
+                           cwd=tmp_path, env=env, timeout=90, merge_stderr=False)
     want = threads.for_launcher({}, 0, 2, "auto").threads  # the namespaces share these CPUs
     count = mine or str(want)
     lines = sorted(line for line in proc.stdout.splitlines() if "OMP_NUM_THREADS=" in line)

@@ -6,7 +6,6 @@ with the chosen values and the line that pins them."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,14 +27,12 @@ def test_autotuned_values_agree_on_every_rank(tmp_path: Path, np: int, transport
     log = tmp_path / "autotune.csv"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", str(np), "--transport", transport,
+    (proc,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", str(np), "--transport", transport,
          "--autotune", "--autotune-log-file", str(log), "--autotune-warmup-samples", "0",
          "--autotune-steps-per-sample", "2", "--autotune-compression", "fp16",
-         sys.executable, str(WORKER)],
-        env=env, capture_output=True, text=True, timeout=200)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+          sys.executable, str(WORKER)]], env=env, timeout=200)
+    out = proc.output
     assert out.count("PASS rank") == np, out[-4000:]
     lines = log.read_text().splitlines()
     assert lines[0].startswith("step,phase,fusion_threshold_bytes,")

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,12 +29,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3",
 
 
 def run(*args: str, timeout: float = 300) -> str:
-    proc = subprocess.run([sys.executable, "-m", "ringflow.runner", "-np", "2", *args],
-                          cwd=str(ROOT), env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    return out
+    (result,) = run_commands([[sys.executable, "-m", "ringflow.runner", "-np", "2", *args]],
+                             cwd=ROOT, env=ENV, timeout=timeout)
+    return result.output
 
 
 def accuracy(compression: str, tmp_path: Path) -> float:
@@ -62,9 +59,9 @@ def test_digits_converge_as_uncompressed(compression: str, uncompressed: float,
 
 
 def test_bad_compression_flag_fails_before_any_worker() -> None:
-    proc = subprocess.run([sys.executable, "-m", "ringflow.runner", "-np", "2",
-                           "--compression", "powersgd:rank=0", sys.executable, "-c", "pass"],
-                          cwd=str(ROOT), env=ENV, capture_output=True, text=True, timeout=60)
+    (proc,) = run_commands([[sys.executable, "-m", "ringflow.runner", "-np", "2",
+                             "--compression", "powersgd:rank=0", sys.executable, "-c", "pass"]],
+                           cwd=ROOT, env=ENV, timeout=60, check=False, merge_stderr=False)
     assert proc.returncode != 0
     assert "rank must be an integer >= 1" in proc.stderr
 
@@ -88,8 +85,5 @@ def test_closed_form_in_processes(np_: int, compression: str, flags: list[str]) 
            f"{compression}:min_elements=256", sys.executable,
            str(ROOT / "tests/multiproc/compressed_workers/torch_steps.py"),
            f"{compression}:min_elements=256"]
-    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
-                          timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    out = run_commands([cmd], cwd=ROOT, env=env, timeout=300)[0].output
     assert out.count("PASS rank") == np_, out[-4000:]

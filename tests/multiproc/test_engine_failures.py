@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,21 +29,14 @@ WORKER = str(Path(__file__).resolve().parent / "engine_workers" / "engine_worker
 
 def launch(scenario: str, n: int, out: Path, env: dict[str, str] | None = None,
            timeout: float = 90, ok: bool = True) -> dict[int, dict[str, Any]]:
-    """Run ``scenario`` on ``n`` ranks; return each reporting rank's JSON, by rank."""
+    """Run ``scenario`` on ``n`` ranks (with ``ok``, it must exit 0); return each reporting
+    rank's JSON, by rank."""
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "ringflow.runner", "-np", str(n), sys.executable, WORKER,
-             scenario, str(out)],
-            env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})},
-            capture_output=True, text=True, timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as exc:
-        done = sorted(p.name for p in out.glob("*.json"))
-        pytest.fail(f"{scenario} on {n} ranks did not finish within {timeout} s (results written: "
-                    f"{done}):\n{exc.stdout}\n{exc.stderr}")
-    if ok:
-        assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout}\n{proc.stderr}"
+    run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", str(n), sys.executable, WORKER,
+          scenario, str(out)]],
+        env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})}, timeout=timeout,
+        check=ok, merge_stderr=False)
     results = {}
     for path in out.glob("*.json"):
         data = json.loads(path.read_text())

@@ -5,7 +5,6 @@ store the parent serves, or touch its shared memory (issue 18, defect 4)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -65,12 +65,9 @@ FORKING = """
 def test_forked_child_that_exits_normally_leaves_the_job_alone(tmp_path, transport):
     script = tmp_path / "forking.py"
     script.write_text(textwrap.dedent(FORKING))
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", "2", "--transport", transport,
-         sys.executable, str(script)],
-        env=ENV, capture_output=True, text=True, timeout=90,
-    )
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", "2", "--transport", transport,
+          sys.executable, str(script)]], env=ENV, timeout=90, merge_stderr=False)
     for rank in range(2):
         assert f"[{rank}]:rank {rank} ok; the child was no rank" in proc.stdout.splitlines()
 
@@ -88,14 +85,12 @@ def test_forked_child_does_not_close_the_store_rank_0_serves(tmp_path):
         port = s.getsockname()[1]
     script = tmp_path / "forking.py"
     script.write_text(textwrap.dedent(FORKING))
-    procs = []
-    for rank in range(2):
-        env = {k: v for k, v in ENV.items() if not k.startswith(("RINGFLOW_", "TORCHELASTIC"))}
-        env.update(RANK=str(rank), WORLD_SIZE="2", RINGFLOW_RENDEZVOUS_ADDR="127.0.0.1",
-                   RINGFLOW_RENDEZVOUS_PORT=str(port), RINGFLOW_SECRET_FILE=str(secret))
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=90) for p in procs]
-    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, err
-        assert out.strip() == f"rank {rank} ok; the child was no rank"
+    base = {k: v for k, v in ENV.items() if not k.startswith(("RINGFLOW_", "TORCHELASTIC"))}
+    results = run_commands(
+        [[sys.executable, str(script)]] * 2,
+        env=[{**base, "RANK": str(rank), "WORLD_SIZE": "2", "RINGFLOW_RENDEZVOUS_ADDR": "127.0.0.1",
+              "RINGFLOW_RENDEZVOUS_PORT": str(port), "RINGFLOW_SECRET_FILE": str(secret)}
+             for rank in range(2)],
+        timeout=90, merge_stderr=False)
+    for rank, result in enumerate(results):
+        assert result.stdout.strip() == f"rank {rank} ok; the child was no rank"

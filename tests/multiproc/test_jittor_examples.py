@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ringflow.testing import run_commands
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -26,9 +27,7 @@ def run(*args: str, np: int = 0, auto: bool = False) -> str:
     if np:
         cmd = [sys.executable, "-m", "ringflow.runner", *(["--auto"] if auto else []), "-np",
                str(np), *cmd]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout
+    return run_commands([cmd], cwd=ROOT, env=ENV, timeout=240, merge_stderr=False)[0].stdout
 
 
 FINAL = re.compile(r"^(?:\[(\d)\]:)?final test accuracy ([0-9.]+); parameter checksum ([-0-9.]+)",

@@ -14,7 +14,7 @@ import pytest
 
 import ringflow
 from ringflow.errors import RankFailure
-from ringflow.testing import spawn_ranks
+from ringflow.testing import CommandResult, run_commands, spawn_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,10 +30,11 @@ def script(tmp_path: Path, body: str, name: str = "worker.py") -> str:
     return str(path)
 
 
-def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*LAUNCHER, *args], env=ENV, capture_output=True, text=True, timeout=timeout
-    )
+def launch(*args: str, timeout: float = 60) -> CommandResult:
+    """ringflow-run with ``args``; its exit code is the test's to check."""
+    (result,) = run_commands([[*LAUNCHER, *args]], env=ENV, timeout=timeout, check=False,
+                             merge_stderr=False)
+    return result
 
 
 def alive(pid: int) -> bool:
@@ -143,10 +144,9 @@ def test_ringflow_run_binds_by_default_only_where_it_is_safe(tmp_path):
     assert f"[{n - 1}]:rank {n - 1} cpus {[tuple(cpus)]}" in proc.stdout.splitlines(), proc.stdout
     # A job someone placed already (taskset, a cpuset, mpirun's binding) stays where it is.
     placed = cpus[:-1] if len(cpus) > 2 else cpus[:1]
-    proc = subprocess.run(
-        ["taskset", "-c", ",".join(map(str, placed)), *LAUNCHER, "-np", "2", sys.executable,
-         script(tmp_path, BOUND)], capture_output=True, text=True, timeout=120, env=ENV)
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands(
+        [["taskset", "-c", ",".join(map(str, placed)), *LAUNCHER, "-np", "2", sys.executable,
+          script(tmp_path, BOUND)]], env=ENV, timeout=120, merge_stderr=False)
     assert f"[0]:rank 0 cpus {[tuple(placed)]}" in proc.stdout.splitlines(), proc.stdout
 
 
@@ -175,12 +175,10 @@ def test_ranks_that_share_one_cpu_take_the_copy_path(tmp_path):
 
 def test_bin_script_and_explicit_hosts(tmp_path):
     body = "import os; print(os.environ['RINGFLOW_RANK'], os.environ['RINGFLOW_SIZE'])"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bin", "ringflow-run"), "-np", "2", "-H",
-         "localhost:4", sys.executable, script(tmp_path, body)],
-        env=ENV, capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands(
+        [[sys.executable, os.path.join(ROOT, "bin", "ringflow-run"), "-np", "2", "-H",
+          "localhost:4", sys.executable, script(tmp_path, body)]], env=ENV, timeout=60,
+        merge_stderr=False)
     assert sorted(proc.stdout.splitlines()) == ["[0]:0 2", "[1]:1 2"]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 import ringflow
 from ringflow.errors import ConfigError, RankFailure
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,26 +101,12 @@ def start_two(tmp_path, env_of) -> list[str]:
     key.write_text(os.urandom(32).hex() + "\n")
     key.chmod(0o600)
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", JOB],
-            env={**clean_env(), **env_of(rank), "RINGFLOW_RENDEZVOUS_PORT": str(port),
-                 "RINGFLOW_SECRET_FILE": str(key)},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=60)
-            assert proc.returncode == 0, err
-            outs.append(out.strip())
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return outs
+    results = run_commands(
+        [[sys.executable, "-c", JOB]] * 2,
+        env=[{**clean_env(), **env_of(rank), "RINGFLOW_RENDEZVOUS_PORT": str(port),
+              "RINGFLOW_SECRET_FILE": str(key)} for rank in range(2)],
+        timeout=60, merge_stderr=False)
+    return [r.stdout.strip() for r in results]
 
 
 def test_simulated_slurm_job_with_the_documented_variables(tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import CommandResult, run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,11 +24,11 @@ ENV = {**os.environ, "PYTHONPATH": PYTHONPATH}
 ENV.pop("RINGFLOW_CYCLE_TIME_MS", None)
 
 
-def launch(*args: str, env=None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", *args], env=env or ENV, capture_output=True,
-        text=True, timeout=timeout,
-    )
+def launch(*args: str, env=None, timeout: float = 60) -> CommandResult:
+    """ringflow-run with ``args``; its exit code is the test's to check."""
+    (result,) = run_commands([[sys.executable, "-m", "ringflow.runner", *args]], env=env or ENV,
+                             timeout=timeout, check=False, merge_stderr=False)
+    return result
 
 
 SHOW = (

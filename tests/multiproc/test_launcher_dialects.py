@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,10 +26,9 @@ for stale in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
 
 
 def launch(*args: str, env=None, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", *args], env=env or ENV, capture_output=True,
-        text=True, timeout=timeout,
-    )
+    (result,) = run_commands([[sys.executable, "-m", "ringflow.runner", *args]], env=env or ENV,
+                             timeout=timeout, check=False, merge_stderr=False)
+    return result
 
 
 def script(tmp_path: Path, body: str, name: str = "worker.py") -> str:

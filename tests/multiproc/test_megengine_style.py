@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,9 +28,8 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
 
 def one_machine(scenario: str, n: int, tmp_path: Path) -> list[dict]:
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, MACHINE, scenario, str(n), str(n), "0", "localhost",
-                           "0", str(out)], env=ENV, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_commands([[sys.executable, MACHINE, scenario, str(n), str(n), "0", "localhost", "0",
+                   str(out)]], env=ENV, timeout=280)
     data = json.loads(out.read_text())
     assert "results" in data, data
     return data["results"]
@@ -74,10 +73,8 @@ def test_remote_recv_of_another_shape_fails_on_both_ranks(tmp_path: Path) -> Non
 def _example(*args: str, runner: list[str] | None = None) -> list[str]:
     command = [*(runner or []), sys.executable, str(ROOT / "examples" / "megengine_style.py"),
                "--epochs", "1", *args]
-    proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=280,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout.splitlines()
+    (result,) = run_commands([command], cwd=ROOT, env=ENV, timeout=280, merge_stderr=False)
+    return result.stdout.splitlines()
 
 
 @pytest.mark.timeout(900)  # three runs of the example: six processes that import torch

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ringflow.testing import spawn_ranks
+from ringflow.testing import run_commands, spawn_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -258,7 +258,6 @@ def test_check_build_marks_a_provider_usable_once_its_self_test_ran(tmp_path: Pa
     """With a GPU listed (a fake nvidia-smi) and the stand-in for cupy, ``--check-build`` runs a
     one-rank allreduce through each provider in a child process: cupy's runs (and is the one in
     use); torch's, a CPU build here, does not, and the line says why."""
-    import subprocess
     import sys
 
     bin_dir = tmp_path / "bin"
@@ -269,9 +268,8 @@ def test_check_build_marks_a_provider_usable_once_its_self_test_ran(tmp_path: Pa
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join([STANDINS, root]), "CUPY_STANDIN_NCCL_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "ringflow.runner", "--check-build"], env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands([[sys.executable, "-m", "ringflow.runner", "--check-build"]], env=env,
+                           timeout=240, merge_stderr=False)
     lines = {line.split("(")[0].strip(): line for line in proc.stdout.splitlines()}
     cupy = lines["[X] NCCL via cupy"]
     assert "cupy 14.2.0, NCCL 2.28.9: a one-rank allreduce ran; in use" in cupy, proc.stdout

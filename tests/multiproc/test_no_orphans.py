@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -105,8 +106,8 @@ def test_what_a_worker_leaves_behind_does_not_outlive_the_job(tmp_path):
     script = tmp_path / "train.sh"
     script.write_text(textwrap.dedent(body))
     start = time.monotonic()
-    proc = subprocess.run([*LAUNCHER, "-np", "2", "bash", str(script)], env=ENV,
-                          capture_output=True, text=True, timeout=60)
+    (proc,) = run_commands([[*LAUNCHER, "-np", "2", "bash", str(script)]], env=ENV, timeout=60,
+                           check=False, merge_stderr=False)
     took = time.monotonic() - start
     pids = [int((tmp_path / f"bg-{r}").read_text()) for r in range(2)]
     try:
@@ -120,13 +121,13 @@ def test_what_a_worker_leaves_behind_does_not_outlive_the_job(tmp_path):
 
 
 def test_exit_code_and_signal_of_the_worker_come_through_the_supervisor(tmp_path):
-    proc = subprocess.run([*LAUNCHER, "-np", "2", "sh", "-c",
-                           'if [ "$RINGFLOW_RANK" = 1 ]; then kill -SEGV $$; fi; sleep 30'],
-                          env=ENV, capture_output=True, text=True, timeout=60)
+    (proc,) = run_commands([[*LAUNCHER, "-np", "2", "sh", "-c",
+                             'if [ "$RINGFLOW_RANK" = 1 ]; then kill -SEGV $$; fi; sleep 30']],
+                           env=ENV, timeout=60, check=False, merge_stderr=False)
     assert proc.returncode == 128 + signal.SIGSEGV, proc.stderr
     assert "rank 1 on host localhost was killed by signal SIGSEGV" in proc.stderr
-    proc = subprocess.run([*LAUNCHER, "-np", "1", "sh", "-c", "exit 130"], env=ENV,
-                          capture_output=True, text=True, timeout=60)
+    (proc,) = run_commands([[*LAUNCHER, "-np", "1", "sh", "-c", "exit 130"]], env=ENV,
+                           timeout=60, check=False, merge_stderr=False)
     assert proc.returncode == 130, proc.stderr  # an exit code above 128 is no signal here
     assert "rank 0 on host localhost exited with code 130" in proc.stderr
 

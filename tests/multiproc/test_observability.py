@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,9 +46,8 @@ JOB = """
 def test_debug_logs_reach_stderr_with_the_rank_in_workers_and_launcher(tmp_path, how) -> None:
     flags = ["--log-level", "debug"] if how == "--log-level" else []
     env = ENV if flags else {**ENV, "HOROVOD_LOG_LEVEL": "trace"}
-    proc = subprocess.run([*LAUNCHER, "-np", "2", *flags, sys.executable, script(tmp_path, JOB)],
-                          env=env, capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands([[*LAUNCHER, "-np", "2", *flags, sys.executable, script(tmp_path, JOB)]],
+                           env=env, timeout=90, merge_stderr=False)
     for rank in (0, 1):
         stamp = r"\d\d:\d\d:\d\d\.\d\d\d"
         for level, text in (("INFO", "ringflow.runtime: joined the job"),
@@ -78,10 +78,9 @@ LOGGING_CONFIGURED = """
 
 @pytest.mark.parametrize("how", ["nothing", "basicConfig", "own handler"])
 def test_each_record_is_written_once_whoever_configured_logging(tmp_path, how) -> None:
-    proc = subprocess.run([sys.executable, script(tmp_path, LOGGING_CONFIGURED), how],
-                          env={**ENV, "RINGFLOW_LOG_LEVEL": "debug"}, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands([[sys.executable, script(tmp_path, LOGGING_CONFIGURED), how]],
+                           env={**ENV, "RINGFLOW_LOG_LEVEL": "debug"}, timeout=60,
+                           merge_stderr=False)
     lines = [line for line in proc.stderr.splitlines() if "shutting down" in line]
     assert len(lines) == 1, proc.stderr
     if how == "nothing":
@@ -165,10 +164,9 @@ STALL = """
 
 def test_a_stall_warning_names_the_call_sites(tmp_path) -> None:
     path = script(tmp_path, STALL)
-    proc = subprocess.run([*LAUNCHER, "-np", "2", sys.executable, path],
-                          env={**ENV, "RINGFLOW_STALL_WARNING_S": "1"}, capture_output=True,
-                          text=True, timeout=90)
-    assert proc.returncode == 0, proc.stderr
+    (proc,) = run_commands([[*LAUNCHER, "-np", "2", sys.executable, path]],
+                           env={**ENV, "RINGFLOW_STALL_WARNING_S": "1"}, timeout=90,
+                           merge_stderr=False)
     warnings = [line for line in proc.stderr.splitlines() if "ringflow stall" in line]
     print("\n" + "\n".join(warnings))
     s = next(w for w in warnings if "tensor 's'" in w)

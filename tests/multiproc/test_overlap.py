@@ -11,7 +11,6 @@ ranks (a + b either way) and at 3 ranks with fusion off.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 pytest.importorskip("torch")
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,9 +38,7 @@ def test_overlapped_and_at_end_give_the_same_bits(np: int, flags: list[str],
     environ = {**os.environ, **env, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     environ.pop("RINGFLOW_BUCKET_BYTES", None)
-    proc = subprocess.run([sys.executable, "-m", "ringflow.runner", "-np", str(np), *flags,
-                           sys.executable, str(WORKER)],
-                          env=environ, capture_output=True, text=True, timeout=200)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    (proc,) = run_commands([[sys.executable, "-m", "ringflow.runner", "-np", str(np), *flags,
+                             sys.executable, str(WORKER)]], env=environ, timeout=200)
+    out = proc.output
     assert out.count("PASS rank") == np, out[-4000:]

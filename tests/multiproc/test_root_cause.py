@@ -5,7 +5,6 @@ defect 1). Real processes through ringflow-run and ringflow.run."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -15,6 +14,7 @@ import pytest
 
 import ringflow
 from ringflow.errors import RankFailure
+from ringflow.testing import CommandResult, run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,13 +40,13 @@ CRASH = """
 """
 
 
-def run_script(tmp_path: Path, body: str, np_: int = 3) -> subprocess.CompletedProcess[str]:
+def run_script(tmp_path: Path, body: str, np_: int = 3) -> CommandResult:
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(body))
-    return subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable, str(script)],
-        env=ENV, capture_output=True, text=True, timeout=90,
-    )
+    (result,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable, str(script)]],
+        env=ENV, timeout=90, check=False, merge_stderr=False)
+    return result
 
 
 def test_launcher_reports_the_rank_that_raised_not_the_ranks_that_failed_of_it(tmp_path):

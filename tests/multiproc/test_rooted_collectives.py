@@ -6,13 +6,13 @@ operation that succeeds (rooted/worker.py)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,9 +26,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RINGFLOW_TIMEOUT_S": "60",
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
 def test_reduce_gather_scatter(framework: str, np_: int) -> None:
     pytest.importorskip(framework)
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable, str(WORKER),
-         framework], cwd=str(ROOT), env=ENV, capture_output=True, text=True, timeout=280)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    (proc,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable, str(WORKER),
+          framework]], cwd=ROOT, env=ENV, timeout=280)
+    out = proc.output
     assert out.count("PASS rank") == np_, out[-6000:]

@@ -7,11 +7,12 @@ checks (tests/multiproc/tf_workers/); a failing check is reported by name with i
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ringflow.testing import CommandResult, run_commands
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
@@ -28,15 +29,15 @@ ENV = {
 }
 
 
-def launch(np_: int, script: Path | str, *args: str, timeout: float = 200
-           ) -> subprocess.CompletedProcess[str]:
+def launch(np_: int, script: Path | str, *args: str, timeout: float = 200) -> CommandResult:
     cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable,
            str(script), *args]
-    return subprocess.run(cmd, cwd=str(ROOT), env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    (result,) = run_commands([cmd], cwd=ROOT, env=ENV, timeout=timeout, check=False,
+                             merge_stderr=False)
+    return result
 
 
-def passed(result: subprocess.CompletedProcess[str], np_: int) -> None:
+def passed(result: CommandResult, np_: int) -> None:
     report = f"stdout:\n{result.stdout[-6000:]}\nstderr:\n{result.stderr[-6000:]}"
     assert result.returncode == 0, report
     for rank in range(np_):

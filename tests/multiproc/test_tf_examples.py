@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ringflow.testing import run_commands
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("sklearn")
@@ -27,9 +28,7 @@ ENV = {
 def run_example(name: str, *args: str) -> str:
     cmd = [sys.executable, "-m", "ringflow.runner", "-np", "2", sys.executable,
            str(ROOT / "examples" / name), *args]
-    result = subprocess.run(cmd, cwd=str(ROOT), env=ENV, capture_output=True, text=True,
-                            timeout=200)
-    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    (result,) = run_commands([cmd], cwd=ROOT, env=ENV, timeout=200, merge_stderr=False)
     return result.stdout
 
 

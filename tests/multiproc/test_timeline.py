@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,12 +79,9 @@ def run_job(tmp_path: Path, skew: float) -> list[dict]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     trace = tmp_path / "trace.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", "2", "--timeline-filename", str(trace),
-         sys.executable, str(script), str(skew)],
-        env=ENV, capture_output=True, text=True, timeout=90,
-    )
-    assert proc.returncode == 0, proc.stderr
+    run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", "2", "--timeline-filename", str(trace),
+          sys.executable, str(script), str(skew)]], env=ENV, timeout=90)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json", "worker.py"]  # one file
     return json.loads(trace.read_text())  # a complete JSON array after shutdown
 
@@ -156,11 +153,9 @@ def test_timeline_from_the_environment_and_restarted_at_run_time(tmp_path: Path)
     script.write_text(TIMELINE_AT_RUN_TIME)
     second = tmp_path / "second.json"
     env = dict(ENV, RINGFLOW_TIMELINE_PATH=str(tmp_path / "tl.json"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", "2", sys.executable, str(script),
-         str(second)], env=env, capture_output=True, text=True, timeout=90,
-    )
-    assert proc.returncode == 0, proc.stderr
+    run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", "2", sys.executable, str(script),
+          str(second)]], env=env, timeout=90)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["second.json", "tl.json", "worker.py"]
     for path, op, tensors in [(tmp_path / "tl.json", "ALLREDUCE", {"g.0", "g.1"}),
                               (second, "ALLGATHER", {"ag"})]:
@@ -179,6 +174,7 @@ def test_timeline_from_the_environment_and_restarted_at_run_time(tmp_path: Path)
 TORCH_WORKER = """
 import torch, torch.nn.functional as F
 import ringflow.torch as hvd
+from ringflow.testing import run_commands
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 128))
@@ -199,11 +195,10 @@ def test_each_optimizer_step_shows_how_much_exchange_backward_hid(tmp_path) -> N
     script = tmp_path / "worker.py"
     script.write_text(TORCH_WORKER)
     trace = tmp_path / "trace.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", "2", "--timeline-filename", str(trace),
-         sys.executable, str(script)],
-        env={**ENV, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    (proc,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", "2", "--timeline-filename", str(trace),
+          sys.executable, str(script)]], env={**ENV, "OMP_NUM_THREADS": "1"}, timeout=90,
+        merge_stderr=False)
     assert proc.stdout.count("STEP 4 2") == 8, proc.stdout  # the head (1 MiB) went early
     events = json.loads(trace.read_text())
     check_trace_events(events)

@@ -10,7 +10,6 @@ about 2 s. A worker prints ``PASS <n> checks`` on every rank; a failure names it
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 pytest.importorskip("torch")
 
 import ringflow
+from ringflow.testing import CommandFailure, CommandResult, run_commands
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,22 +29,21 @@ PYTHONPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
 ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
 
 
-def run(script: str | Path, np: int, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run(script: str | Path, np: int, timeout: float = 60) -> CommandResult:
     if np == 1:
         cmd = [sys.executable, str(script)]
     else:
         cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(np), sys.executable, str(script)]
     try:
-        return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
-            else (exc.stdout or "")
-        passed = out.count("PASS ")
-        pytest.fail(f"{script} on {np} ranks did not finish within {timeout} s; {passed} of {np} "
-                    f"ranks had printed PASS (all of them: the hang is at shutdown)\n{out[-3000:]}")
+        (result,) = run_commands([cmd], env=ENV, timeout=timeout, check=False, merge_stderr=False)
+    except CommandFailure as exc:  # the deadline
+        passed = exc.results[0].output.count("PASS ")
+        pytest.fail(f"{passed} of {np} ranks had printed PASS (all of them: the hang is at "
+                    f"shutdown)\n{exc}")
+    return result
 
 
-def assert_passed(proc: subprocess.CompletedProcess[str], np: int) -> None:
+def assert_passed(proc: CommandResult, np: int) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert out.count("PASS ") == np, out[-4000:]

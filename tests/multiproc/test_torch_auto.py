@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ringflow  # noqa: E402
+from ringflow.testing import run_commands  # noqa: E402
 from ringflow.torch._auto.loader import share  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,10 +34,8 @@ TRAIN = ["--samples", "102", "--batch-size", "12", "--epochs", "2", "--lbfgs"]
 
 
 def run(cmd: list[str], timeout: float = 180) -> str:
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout + proc.stderr
+    (result,) = run_commands([cmd], env=ENV, cwd=ROOT, timeout=timeout)
+    return result.output
 
 
 def load(out: Path, n: int) -> list[dict[str, Any]]:

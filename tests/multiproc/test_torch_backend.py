@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ringflow  # noqa: E402
+from ringflow.testing import CommandResult, run_commands  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,31 +49,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_all(commands: Sequence[Sequence[str]], timeout: float = 200) -> list[str]:
-    """Start every command at once, wait for all with one deadline (killing the rest when it
-    passes); fail with every output if one failed. Their outputs."""
-    codes, outs = _run_together(commands, timeout)
-    assert codes == [0] * len(codes), "\n".join(outs)[-8000:]
-    return outs
-
-
-def _run_together(commands: Sequence[Sequence[str]], timeout: float) -> tuple[list, list[str]]:
-    procs = [subprocess.Popen(list(c), env=ENV, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, start_new_session=True)
-             for c in commands]
-    deadline = time.monotonic() + timeout
-    outs = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-            out, _ = proc.communicate()
-            out += f"\n[killed at the {timeout:.0f} s deadline]"
-        outs.append(out)
-    return [p.returncode for p in procs], outs
+def run_all(commands: Sequence[Sequence[str]], timeout: float = 200,
+            retry_if: Callable[[list[CommandResult]], bool] | None = None) -> list[str]:
+    """:func:`ringflow.testing.run_commands` in this file's environment: every command at once,
+    one deadline; fails with every output if one failed. Their outputs."""
+    return [r.output for r in run_commands(commands, env=ENV, cwd=ROOT, timeout=timeout,
+                                           retry_if=retry_if)]
 
 
 # gloo itself sometimes aborts a rank while tearing its process group down after the script's
@@ -86,11 +66,12 @@ GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 def run_reference(command: Sequence[str], done: str, timeout: float = 200) -> str:
     """run_all for one gloo run, tolerating gloo's own teardown abort once: a run whose output
     holds ``done`` and then that abort is repeated."""
-    codes, outs = _run_together([command], timeout)
-    if codes != [0] and done in outs[0] and GLOO_TEARDOWN_ABORT in outs[0].split(done, 1)[1]:
-        codes, outs = _run_together([command], timeout)
-    assert codes == [0], outs[0][-8000:]
-    return outs[0]
+
+    def aborted_in_teardown(results: list[CommandResult]) -> bool:
+        out = results[0].output
+        return done in out and GLOO_TEARDOWN_ABORT in out.split(done, 1)[1]
+
+    return run_all([command], timeout, retry_if=aborted_in_teardown)[0]
 
 
 def passes(outs: Sequence[str], n: int, via: str) -> None:
@@ -190,19 +171,10 @@ def test_a_dead_peer_fails_the_survivors_work(tmp_path: Path) -> None:
         os._exit(0)
     """))
     url = f"file://{tmp_path / 'store'}"
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), url], env=ENV, cwd=ROOT,
-                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True) for r in range(3)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                if q.poll() is None:
-                    os.killpg(q.pid, 9)
-            pytest.fail("a survivor hung:\n" + "\n".join(q.communicate()[0] for q in procs))
-    assert [p.returncode for p in procs] == [0, 3, 0], "\n".join(outs)
+    results = run_commands([[sys.executable, str(script), str(r), url] for r in range(3)],
+                           env=ENV, cwd=ROOT, timeout=120, check=False)  # a hang fails
+    outs = [r.output for r in results]
+    assert [r.returncode for r in results] == [0, 3, 0], "\n".join(outs)
     for r in (0, 2):
         line = next((s for s in outs[r].splitlines() if s.startswith("ERR")), outs[r])
         assert line.startswith(f"ERR rank {r} ") and "rank 1" in line, "\n".join(outs)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 import ringflow
+from ringflow.testing import run_commands
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,10 +24,8 @@ LAUNCH = [sys.executable, "-m", "ringflow.runner", "-np", "2", sys.executable]
 
 
 def run(cmd: list[str], timeout: float = 180) -> str:
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout
+    (result,) = run_commands([cmd], env=ENV, cwd=ROOT, timeout=timeout, merge_stderr=False)
+    return result.stdout
 
 
 def test_mnist_example_learns_digits_and_checkpoints_on_rank_0(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@ implementation (NCCL, or host staging around the CPU one)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 
@@ -17,6 +16,7 @@ from ringflow.devices.host import HOST
 from ringflow.errors import ConfigError
 from ringflow.ops import BFLOAT16, ReduceOp, scale_into
 from ringflow.rendezvous import MemoryStore
+from ringflow.testing import run_commands
 
 DTYPES = [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64, np.uint8]
 
@@ -43,8 +43,7 @@ def test_a_registered_library_is_looked_at_only_once_imported() -> None:
     code = ("import sys, numpy as np, ringflow; from ringflow import devices; "
             "devices.namespace_of(np.ones(2)); "
             "print(sorted(m for m in ('torch', 'cupy', 'tensorflow') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+    out = run_commands([[sys.executable, "-c", code]], timeout=60, merge_stderr=False)[0].stdout
     assert out.strip() == "[]"
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -15,6 +14,7 @@ import ringflow
 from ringflow.errors import ConfigError
 from ringflow.ray import RayExecutor, RaySettings
 from ringflow.ray.executor import rank_by_node
+from ringflow.testing import CommandResult, run_commands
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,9 +23,11 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT,
                                                                   os.environ.get("PYTHONPATH")]))}
 
 
-def _python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=ENV,
-                          capture_output=True, text=True, timeout=50)
+def _python(code: str) -> CommandResult:
+    """``python -c code``; it must exit 0."""
+    (result,) = run_commands([[sys.executable, "-c", textwrap.dedent(code)]], env=ENV,
+                             timeout=50, merge_stderr=False)
+    return result
 
 
 @pytest.mark.processes
@@ -35,7 +37,6 @@ def test_importing_ringflow_and_ringflow_ray_does_not_import_ray() -> None:
         import ringflow, ringflow.ray
         print(sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.")))
     """)
-    assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
 
@@ -52,7 +53,6 @@ def test_without_ray_the_executor_names_the_install_command() -> None:
         except ConfigError as exc:
             print(exc)
     """)
-    assert proc.returncode == 0, proc.stderr
     assert "ringflow.ray needs Ray" in proc.stdout
     assert "pip install 'ringflow[ray]'" in proc.stdout
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from ringflow.testing import run_commands
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).resolve().parent / "worker.py"
@@ -16,20 +17,15 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RINGFLOW_TIMEOUT_S": "60",
 def run_script(script: str, np_: int, timeout: float = 120,
                env: dict[str, str] | None = None) -> str:
     """Output of ``script`` (in this folder) on ``np_`` ranks under ringflow-run; it must exit 0."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable,
-         str(WORKER.parent / script)], cwd=str(ROOT), env={**ENV, **(env or {})},
-        capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-8000:]
-    return out
+    (result,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable,
+          str(WORKER.parent / script)]], cwd=ROOT, env={**ENV, **(env or {})}, timeout=timeout)
+    return result.output
 
 
 def conform(mode: str, np_: int) -> None:
     """Every rank of ``worker.py mode`` on ``np_`` ranks prints PASS (else the output fails)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable, str(WORKER),
-         mode], cwd=str(ROOT), env=ENV, capture_output=True, text=True, timeout=200)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-8000:]
-    assert out.count("PASS ") == np_, out[-8000:]
+    (result,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable, str(WORKER),
+          mode]], cwd=ROOT, env=ENV, timeout=200)
+    assert result.output.count("PASS ") == np_, result.output[-8000:]
