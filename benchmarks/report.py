@@ -130,6 +130,12 @@ def _elastic(f: dict[str, Any]) -> str:
     return f"ringflow {peer('ringflow')}; torchrun {peer('torchrun')}"
 
 
+def _elastic_join(f: dict[str, Any]) -> str:
+    return (f"{f['join_s']:.2f} s median, {f['join_max_s']:.2f} s max ({f['joined']} of "
+            f"{f['rounds']}; goal {f['goal_s']:.2f} s: 1 s + {f['state_bytes'] / 2**20:.0f} MiB "
+            f"at {f['loopback_gbps']:.1f} Gbit/s)")
+
+
 def _gpu(f: dict[str, Any]) -> str:
     a = f["allreduce_vs_torch_nccl"]
     return (f"{f['resnet50_vs_no_exchange']:.3f}x img/s; {a['4KiB']:.2f}x / {a['64MiB']:.2f}x "
@@ -188,6 +194,9 @@ ROWS = (
         "(`commit()` every step) vs `torchrun --standalone --max-restarts 3` (a checkpoint every "
         "step) (`benchmarks/elastic_vs_torchrun.py`)", "elastic_vs_torchrun", _elastic,
         (("peers", ["ringflow", "torchrun"]), ("model", "mlp"))),
+    Row("Elastic, 25 M MLP: a third worker joins 2, from its request to the first step at size "
+        "3 (parameters and momentum from its peers) (`benchmarks/elastic_join.py`)",
+        "elastic_join", _elastic_join, (("model", "mlp"),)),
     Row("CUDA on one NVIDIA H200, 1 rank: synthetic ResNet-50 (batch 64) vs no exchange; "
         "`hvd.allreduce_` of 4 KiB / 64 MiB vs torch.distributed's NCCL; 64 MiB at 2 ranks "
         "sharing the GPU (staged) vs gloo (`benchmarks/gpu_check.py`)", "gpu_check", _gpu),
