@@ -50,25 +50,29 @@ def worker(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     me = os.environ["RINGFLOW_ELASTIC_ID"]
-    (out / f"ask-{me}.json").write_text(json.dumps({"t": time.time()}))
+    asked = time.time()
     hvd.init()
+    placed = time.time()
     torch.manual_seed(0)
     model = build_model(args.model)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                    named_parameters=model.named_parameters())
     x, y = synthetic_batch(args.model, args.batch_size)
     state = hvd.elastic.TorchState(model, opt, step=0)
+    (out / f"ask-{me}.json").write_text(json.dumps({"t": asked, "placed": placed,
+                                                    "built": time.time()}))
 
     @hvd.elastic.run
     def train(state: Any) -> None:
         while state.step < args.steps:
+            start = time.time()
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
             state.step += 1
             with open(out / f"log-{me}.jsonl", "a") as f:
-                f.write(json.dumps({"step": state.step, "size": hvd.size(), "done": time.time()})
-                        + "\n")
+                f.write(json.dumps({"step": state.step, "size": hvd.size(), "start": start,
+                                    "done": time.time()}) + "\n")
             if hvd.rank() == 0 and state.step == args.add_at:
                 with open(out / "hosts", "a") as f:
                     f.write("127.0.0.1:1\n")
@@ -105,18 +109,26 @@ def job(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
             return {"failed": f"the job did not end within {args.timeout:g} s"}
         if proc.returncode:
             return {"failed": f"exit code {proc.returncode}: {err.strip().splitlines()[-1:]}"}
-        asks = sorted(json.loads(p.read_text())["t"] for p in out.glob("ask-*.json"))
+        asks = sorted((json.loads(p.read_text()) for p in out.glob("ask-*.json")),
+                      key=lambda a: a["t"])
         logs = [json.loads(line) for p in out.glob("log-*.jsonl")
                 for line in p.read_text().splitlines()]
         state_bytes = json.loads((out / "state.json").read_text())["bytes"]
     if len(asks) != 3:
         return {"failed": f"{len(asks)} workers started, not 3"}
-    grown = min((r["done"] for r in logs if r["size"] == 3), default=None)
-    if grown is None:
+    first = min((r for r in logs if r["size"] == 3), key=lambda r: r["done"], default=None)
+    if first is None:
         return {"failed": "the job ended before the newcomer joined (more --steps)"}
-    got = {"join_s": grown - asks[-1], "state_bytes": state_bytes}
-    print(f"  join -> first step at size 3: {got['join_s']:.2f} s "
-          f"(state {state_bytes / 2**20:.0f} MiB)", file=sys.stderr, flush=True)
+    new = asks[-1]
+    # The parts: waiting for the members' next commit and the new generation; the script's own
+    # model and optimizer (built after hvd.init(), as users' scripts do); sync(); the step.
+    parts = {"generation": new["placed"] - new["t"], "build": new["built"] - new["placed"],
+             "sync": first["start"] - new["built"], "step": first["done"] - first["start"]}
+    got = {"join_s": first["done"] - new["t"], "state_bytes": state_bytes, "parts_s": parts}
+    print(f"  join -> first step at size 3: {got['join_s']:.2f} s (state "
+          f"{state_bytes / 2**20:.0f} MiB; " + ", ".join(f"{k} {v:.2f} s" for k, v in
+                                                       got["parts_s"].items()) + ")",
+          file=sys.stderr, flush=True)
     return got
 
 
