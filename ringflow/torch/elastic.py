@@ -8,8 +8,9 @@ The loop, the commit/restore/sync protocol and the sampler's arithmetic live in
   loaded back at ``restore()``;
   ``sync()`` broadcasts rank 0's parameters and buffers in place (``broadcast_parameters``);
 * ``optim.Optimizer`` (a ``DistributedOptimizer`` too) and LR schedulers: their
-  ``state_dict()`` likewise; ``sync()`` loads rank 0's whole ``state_dict`` (pickled, bit for
-  bit), so that a newcomer whose optimizer never stepped gets the moments and step counts,
+  ``state_dict()`` likewise; ``sync()`` loads rank 0's whole ``state_dict`` (its structure
+  pickled, its tensors broadcast as tensors: bit for bit), so that a newcomer whose optimizer
+  never stepped gets the moments and step counts,
   except a compressor's error feedback, which stays each rank's own
   (:func:`ringflow.compressed.synced_state`);
 * :class:`ElasticSampler`: ``(epoch, processed_num)``; ``sync()`` loads rank 0's and reshards.
@@ -22,14 +23,21 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import elastic as _core
 from ..compressed import synced_state
 from ..elastic import ObjectState, run
-from . import broadcast_object, broadcast_parameters, rank, size
+from . import (
+    broadcast_async_,
+    broadcast_object,
+    broadcast_parameters,
+    rank,
+    size,
+    synchronize,
+)
 
 __all__ = ["ElasticSampler", "ObjectState", "TorchState", "run"]
 
@@ -132,13 +140,86 @@ def _kept(old: Any, new: Any) -> Any:
     return copy.deepcopy(new)
 
 
+class _Slot(NamedTuple):
+    """Where rank 0's state dict holds a tensor: its place in the broadcast order, its shape,
+    dtype and device type."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+
+def _broadcast_state(own: Any) -> Any:
+    """Rank 0's ``own`` (a state dict) on every rank, bit for bit: its structure pickled, its
+    tensors broadcast as tensors (the pickle of a 25 M MLP's momentum took 4-7x as long:
+    benchmarks/RESULTS.md section 23)."""
+    tensors: list[torch.Tensor] = []
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and not value.is_sparse:
+            tensors.append(value.detach())
+            return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype, value.device.type)
+        if isinstance(value, dict):
+            out = copy.copy(value)
+            for k, v in value.items():
+                out[k] = strip(v)
+            return out
+        if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+            return type(value)(strip(v) for v in value)
+        return value
+
+    theirs = broadcast_object(strip(own), 0)
+    slots: list[_Slot] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, _Slot):
+            slots.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                collect(v)
+        elif isinstance(value, list | tuple) and not isinstance(value, _Slot):
+            for v in value:
+                collect(v)
+
+    collect(theirs)
+    slots.sort(key=lambda s: s.index)
+    if rank() == 0:
+        bufs = [t.contiguous() for t in tensors]
+    else:
+        bufs = [torch.empty(s.shape, dtype=s.dtype, device=_device(s.device)) for s in slots]
+    handles = [broadcast_async_(b, 0, name=f"elastic.state.{i}") for i, b in enumerate(bufs)]
+    for handle in handles:
+        synchronize(handle)
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, _Slot):
+            return bufs[value.index]
+        if isinstance(value, dict):
+            out = copy.copy(value)
+            for k, v in value.items():
+                out[k] = fill(v)
+            return out
+        if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+            return type(value)(fill(v) for v in value)
+        return value
+
+    return fill(theirs)
+
+
+def _device(kind: str) -> torch.device:
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
 class _OptimizerHandler(_Handler):
     def sync(self) -> None:
         abandon = getattr(self.value, "_abandon", None)
         if abandon is not None:  # a DistributedOptimizer: its failed step's allreduces are gone
             abandon()
         own = self.value.state_dict()
-        state = broadcast_object(own, 0)
+        state = _broadcast_state(own)
         if "ringflow_compression" in own and "ringflow_compression" in state:
             state["ringflow_compression"] = synced_state(state["ringflow_compression"],
                                                          own["ringflow_compression"])
