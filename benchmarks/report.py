@@ -12,6 +12,7 @@ everything else in those pages is prose, which quotes no figure the table holds.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,9 +132,14 @@ def _elastic(f: dict[str, Any]) -> str:
 
 
 def _elastic_join(f: dict[str, Any]) -> str:
+    runs = [r["parts_s"] for r in f["runs"] if "parts_s" in r]
+    ours = statistics.median(r["generation"] + r["sync"] for r in runs)
+    script = statistics.median(r["build"] + r["step"] for r in runs)
     return (f"{f['join_s']:.2f} s median, {f['join_max_s']:.2f} s max ({f['joined']} of "
             f"{f['rounds']}; goal {f['goal_s']:.2f} s: 1 s + {f['state_bytes'] / 2**20:.0f} MiB "
-            f"at {f['loopback_gbps']:.1f} Gbit/s)")
+            f"at {f['loopback_gbps']:.1f} Gbit/s); the new generation and `sync()` {ours:.2f} s, "
+            f"the newcomer's script (its model and optimizer, built after `hvd.init()`, and its "
+            f"first step) {script:.2f} s")
 
 
 def _gpu(f: dict[str, Any]) -> str:
