@@ -1,7 +1,8 @@
 """The pure parts of elastic training (issue 30): the driver's answers (ringflow.world), the
 sampler's shards (ringflow.elastic.shard), ObjectState's commit/restore/sync and the run loop
-(ringflow.elastic.run_fn), the discovery script's output (ringflow.runner.elastic.discover).
-Real processes: tests/multiproc/test_elastic.py."""
+(ringflow.elastic.run_fn), the discovery script's output (ringflow.runner.elastic.discover),
+the driver's clock for lagging members (ringflow.runner.elastic_driver). Real processes:
+tests/multiproc/test_elastic.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ringflow.errors import (
 )
 from ringflow.rendezvous import MemoryStore
 from ringflow.runner.elastic import discover
+from ringflow.runner.elastic_driver import ElasticDriver, Policy
 from ringflow.topology import RankInfo
 from ringflow.world import World, format_assignment, parse_assignment
 
@@ -235,3 +237,44 @@ def test_outside_an_elastic_job_a_failed_reinit_is_raised(monkeypatch):
     with pytest.raises(PeerError, match="rank 1 is gone"):
         elastic._reset()
     assert calls == ["shutdown", "init"]
+
+
+class _Pool:
+    """Workers that only record what the driver asks of them."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+        self.stopped: list[int] = []
+
+    def start(self, spec, env) -> None:
+        self.started.append(spec.rank)
+
+    def stop(self, wid: int) -> None:
+        self.stopped.append(wid)
+
+
+def _ask(store: MemoryStore, wid: int) -> None:
+    store.add(f"elastic/req/{wid}", 1)
+
+
+def test_the_lagging_clock_starts_when_a_member_asks_not_when_newcomers_wait():
+    """Newcomers waiting never get a member stopped (it may be in a long step: they wait for its
+    next commit); once a member has left its generation, one that has not is stopped after the
+    elastic timeout."""
+    store, pool = MemoryStore(), _Pool()
+    driver = ElasticDriver(Policy(min_np=2, max_np=3, elastic_timeout_s=1.0), store,
+                           lambda: {}, pool)
+    driver.hosts = {"a": 2}
+    t = driver.started
+    driver._fill(t)
+    _ask(store, 0)
+    _ask(store, 1)
+    assert driver._form(t) is None and driver.generation == 0 and driver.members == [0, 1]
+    driver.hosts = {"a": 2, "b": 1}
+    driver._fill(t)
+    _ask(store, 2)  # a newcomer waits
+    assert driver._form(t) is None and store.get("elastic/update") == b"0"
+    assert driver._form(t + 100.0) is None and pool.stopped == []
+    _ask(store, 0)  # a member leaves its generation; member 1 lags
+    assert driver._form(t + 101.0) is None and pool.stopped == []
+    assert driver._form(t + 102.5) is None and pool.stopped == [1]
