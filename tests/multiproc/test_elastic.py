@@ -95,7 +95,7 @@ def test_a_newcomer_waits_for_the_next_commit_of_a_long_step(tmp_path):
     """Steps longer than --elastic-timeout: a newcomer waits for the members' next commit, and
     no member is stopped for not leaving its generation sooner (none had left it)."""
     proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "2", "--max-np", "3",
-                       "--elastic-timeout", "1", EDIT=f"1:+{NAMES[2]}", SLEEP="2.5",
+                       "--elastic-timeout", "2", EDIT=f"1:+{NAMES[2]}", SLEEP="3.5",
                        LENGTH="6", EPOCHS="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "stopping workers" not in proc.stderr
