@@ -22,7 +22,7 @@ Anything else given to :class:`TorchState` is a plain value
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -156,55 +156,45 @@ def _broadcast_state(own: Any) -> Any:
     benchmarks/RESULTS.md section 23)."""
     tensors: list[torch.Tensor] = []
 
-    def strip(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and not value.is_sparse:
-            tensors.append(value.detach())
-            return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype, value.device.type)
-        if isinstance(value, dict):
-            out = copy.copy(value)
-            for k, v in value.items():
-                out[k] = strip(v)
-            return out
-        if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-            return type(value)(strip(v) for v in value)
-        return value
+    def slot(t: torch.Tensor) -> _Slot:
+        tensors.append(t.detach())
+        return _Slot(len(tensors) - 1, tuple(t.shape), t.dtype, t.device.type)
 
-    theirs = broadcast_object(strip(own), 0)
+    theirs = broadcast_object(_mapped(own, _is_dense, slot), 0)
     slots: list[_Slot] = []
-
-    def collect(value: Any) -> None:
-        if isinstance(value, _Slot):
-            slots.append(value)
-        elif isinstance(value, dict):
-            for v in value.values():
-                collect(v)
-        elif isinstance(value, list | tuple) and not isinstance(value, _Slot):
-            for v in value:
-                collect(v)
-
-    collect(theirs)
-    slots.sort(key=lambda s: s.index)
+    _mapped(theirs, _is_slot, slots.append)
     if rank() == 0:
         bufs = [t.contiguous() for t in tensors]
     else:
-        bufs = [torch.empty(s.shape, dtype=s.dtype, device=_device(s.device)) for s in slots]
+        bufs = [torch.empty(s.shape, dtype=s.dtype, device=_device(s.device))
+                for s in sorted(slots, key=lambda s: s.index)]
     handles = [broadcast_async_(b, 0, name=f"elastic.state.{i}") for i, b in enumerate(bufs)]
     for handle in handles:
         synchronize(handle)
+    return _mapped(theirs, _is_slot, lambda s: bufs[s.index])
 
-    def fill(value: Any) -> Any:
-        if isinstance(value, _Slot):
-            return bufs[value.index]
-        if isinstance(value, dict):
-            out = copy.copy(value)
-            for k, v in value.items():
-                out[k] = fill(v)
-            return out
-        if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-            return type(value)(fill(v) for v in value)
-        return value
 
-    return fill(theirs)
+def _is_dense(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not value.is_sparse
+
+
+def _is_slot(value: Any) -> bool:
+    return isinstance(value, _Slot)
+
+
+def _mapped(value: Any, leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
+    """``value`` with ``fn(x)`` for each ``x`` that is a ``leaf``, through dicts (their types
+    kept), lists and tuples (not named tuples)."""
+    if leaf(value):
+        return fn(value)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _mapped(v, leaf, fn)
+        return out
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_mapped(v, leaf, fn) for v in value)
+    return value
 
 
 def _device(kind: str) -> torch.device:
