@@ -175,6 +175,19 @@ def _torch_prefix(env: Mapping[str, str]) -> str:
     return f"ringflow/{run}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/" if run else "ringflow/"
 
 
+def torchrun_store(suffix: str, timeout: float) -> Any:
+    """A client of torchrun's agent store, keys under ``ringflow/<run id>/<suffix>/``: unlike a
+    job's own keys (:func:`_torch_prefix`: one set per restart) they outlive torchrun's restarts
+    of the workers (:mod:`ringflow.elastic` keeps the last commit there)."""
+    from .rendezvous import torch_store
+
+    env = os.environ
+    return torch_store.open_url(env["MASTER_ADDR"].strip(),
+                                _port("MASTER_PORT", env["MASTER_PORT"].strip()), 0, 0, True,
+                                f"ringflow/{env.get('TORCHELASTIC_RUN_ID', '')}/{suffix}/",
+                                timeout)
+
+
 def _torch_importable() -> bool:
     try:
         import torch.distributed as dist

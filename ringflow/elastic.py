@@ -54,6 +54,7 @@ import numpy as np
 
 from . import Max, allreduce, init, rank, runtime, shutdown
 from ._adapter import broadcast_object
+from .bootstrap import torchrun_store
 from .errors import HorovodInternalError, HostsUpdatedInterrupt, RingflowTimeoutError
 
 __all__ = ["ObjectState", "State", "run", "run_fn", "shard"]
@@ -201,7 +202,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     return run_fn(func, _reset)
 
 
-_keepers: dict[str, Any] = {}
+_keepers: list[Any] = []  # torchrun's agent store, once opened
 
 
 def _under_torchrun() -> bool:
@@ -212,15 +213,9 @@ def _under_torchrun() -> bool:
 
 def _keeper() -> Any:
     """torchrun's agent store, keys under ``ringflow/<run id>/elastic/``."""
-    env = os.environ
-    run_id = env.get("TORCHELASTIC_RUN_ID", "")
-    if run_id not in _keepers:
-        from .rendezvous import torch_store
-
-        _keepers[run_id] = torch_store.open_url(
-            env["MASTER_ADDR"], int(env["MASTER_PORT"]), rank(), 0, True,
-            f"ringflow/{run_id}/elastic/", float(env.get("RINGFLOW_TIMEOUT_S", "30")))
-    return _keepers[run_id]
+    if not _keepers:
+        _keepers.append(torchrun_store("elastic", runtime.running().config.timeout_s))
+    return _keepers[0]
 
 
 def _keep(state: State) -> None:
