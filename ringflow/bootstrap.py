@@ -41,6 +41,13 @@ port, and the keys of each ``init()`` have their own prefix.
 ``ringflow.init(comm=...)`` (an mpi4py communicator) skips the environment: :func:`comm_info`
 derives the RankInfo from the communicator, and ``connect_store(..., comm=comm)`` runs the MPI
 exchange over that communicator instead of ``COMM_WORLD``.
+
+A store that rank 0 serves over MPI is served by a thread of rank 0's process, and mpi4py's
+pickle-based collectives (``comm.allreduce(obj)``, ``comm.bcast(obj)``...) hold the GIL while
+they block: a rank 0 that left ``init()`` and entered one could not answer a slower rank's last
+store request, and both would wait for each other (seen in CI). :func:`settle` ends ``init()``
+with an ``MPI_Barrier`` (which releases the GIL) on that communicator, so no rank leaves before
+every rank has its answers.
 """
 
 from __future__ import annotations
@@ -53,14 +60,19 @@ import shutil
 import socket
 import subprocess
 import urllib.parse
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from . import rendezvous
-from .errors import ConfigError, RingflowError
+from .errors import ConfigError, RingflowError, RingflowTimeoutError
+from .polling import polls
 from .topology import RankInfo
 
-__all__ = ["comm_info", "connect_store"]
+__all__ = ["comm_info", "connect_store", "settle"]
+
+# The communicator of each store served over MPI (see the module doc and settle()).
+_over_comm: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 # Stores this process serves, by (address, port); a fixed-port one is reused by a later init().
 _servers: dict[tuple[str, int], Any] = {}
@@ -363,4 +375,25 @@ def _over_mpi(mpi: Any, info: RankInfo, timeout: float, comm: Any = None) -> Any
     if message[0] != "ok":
         raise ConfigError(f"rank 0 could not start the rendezvous store: {message[1]}")
     _, host, port, secret_hex = message
-    return rendezvous.TCPStore(host, int(port), bytes.fromhex(secret_hex), timeout)
+    store = rendezvous.TCPStore(host, int(port), bytes.fromhex(secret_hex), timeout)
+    _over_comm[store] = comm
+    return store
+
+
+def settle(store: Any, timeout: float) -> None:
+    """Return once every rank is done with ``store``'s requests of ``init()``, where rank 0
+    serves it over MPI (see the module doc); at once otherwise.
+
+    Raises:
+        RingflowTimeoutError: a rank did not arrive within ``timeout`` s (it failed in init()).
+    """
+    comm = _over_comm.get(store)
+    if comm is None:
+        return
+    request = comm.Ibarrier()  # polled, not MPI_Barrier: a rank that failed must not hang us
+    for _ in polls(timeout, pause=1e-4, cap=0.01):
+        if request.Test():
+            return
+    raise RingflowTimeoutError(
+        f"init(): not every rank of the MPI communicator finished joining within {timeout:g} s "
+        "(a rank failed; its own error says why; RINGFLOW_TIMEOUT_S sets the limit)")

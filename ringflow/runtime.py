@@ -178,6 +178,14 @@ def init(comm: Any = None, *, rank: int | None = None, size: int | None = None,
             log.info("rank %d not bound to CPUs: %s", info.rank, why_not)
         threads.at_init(info, store, prefix, pool, bound)
         backends = connect(info, store, config, prefix, comm=comm)
+        if store is not None:
+            from .bootstrap import settle
+
+            try:
+                settle(store, config.timeout_s)
+            except BaseException:
+                backends.close()
+                raise
         if injection.ARMED:
             injection.hit("init")
         _info = info

@@ -106,6 +106,18 @@ def test_init_with_a_sub_communicator_makes_a_job_of_its_ranks(tmp_path: Path) -
     same_bits(results, "global", [0, 2])
 
 
+def test_rank_0_in_a_pickled_mpi_collective_right_after_init_does_not_deadlock(
+        tmp_path: Path) -> None:
+    # Rank 0 serves the store from a thread; mpi4py's comm.allreduce(obj) holds the GIL while
+    # it waits. Before init() ended with a barrier, this waited on the store for 2 x the timeout.
+    n = 3
+    results, _ = mpirun("gil", n, tmp_path, {"RINGFLOW_TIMEOUT_S": "10"}, timeout=60)
+    assert sorted(results) == list(range(n))
+    for r in range(n):
+        assert results[r]["world_sum"] == n * (n + 1) // 2
+        assert results[r]["sum"] == n * (n + 1) / 2
+
+
 def test_errors_reach_every_rank_with_one_text(tmp_path: Path) -> None:
     n = 3
     results, _ = mpirun("errors", n, tmp_path)

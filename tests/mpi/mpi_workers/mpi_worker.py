@@ -155,6 +155,23 @@ def run(scenario: str, out: Path) -> dict[str, Any]:
         res["world_max"] = world.allreduce(world.Get_rank(), op=MPI.MAX)
         got = rf.allreduce(np.full(5, rf.rank() + 1, np.int64), name="c.sum", op=rf.Sum)
         res["sum"] = int(got[0])
+    elif scenario == "gil":
+        # mpi4py's pickled collectives hold the GIL while they wait: rank 0, which serves the
+        # store from a thread, must not leave init() (and enter one) before every rank has had
+        # its store answers. The other ranks' store requests come late to make that likely.
+        if world.Get_rank():
+            from ringflow.rendezvous import TCPStore
+
+            ask = TCPStore._call
+
+            def late(*args: Any, **kwargs: Any) -> bytes:
+                time.sleep(0.2)
+                return ask(*args, **kwargs)
+
+            TCPStore._call = late  # type: ignore[method-assign]
+        rf.init()
+        res["world_sum"] = world.allreduce(world.Get_rank() + 1)
+        res["sum"] = float(rf.allreduce(np.full(3, rf.rank() + 1.0), name="g", op=rf.Sum)[0])
     elif scenario == "errors":
         rf.init()
         r, n = rf.rank(), rf.size()
