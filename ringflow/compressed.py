@@ -155,9 +155,13 @@ class Exchange:
         self.op = ReduceOp(op)
         self.prescale, self.postscale = float(prescale), float(postscale)
         self.process_set = process_set
-        #: None until ``auto`` has decided; then whether it compresses.
-        self.active: bool | None = None if isinstance(options, Auto) else True
         self.kind = options.inner if isinstance(options, Auto) else options
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every tensor's state (as a new exchange)."""
+        #: None until ``auto`` has decided; then whether it compresses.
+        self.active: bool | None = None if isinstance(self.options, Auto) else True
         self.errors: dict[str, Any] = {}  # name -> e_w (PowerSGD: the framework's, else numpy)
         self.factors: dict[str, Any] = {}  # PowerSGD: name -> Q' (the framework's)
         self.steps: dict[str, int] = {}  # random-k: name -> exchanges so far

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Binding", "bound", "cross_rank", "cross_size", "get_client", "info", "init",
            "is_initialized", "local_rank", "local_size", "rank", "running", "shutdown", "size",
-           "start_timeline", "stats", "stop_timeline"]
+           "start_timeline", "stats", "stop_timeline", "this_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,13 @@ def bound(binding: Binding) -> Iterator[None]:
         yield
     finally:
         _local.binding = previous
+
+
+def this_rank() -> Binding | None:
+    """What owns this rank's per-rank objects in the process: the :class:`Binding` of a rank
+    that is a thread (:func:`ringflow.testing.run_engines`), else None (the process is the
+    rank). Unlike the engine, it outlives an elastic reset's ``shutdown(); init()``."""
+    return _local.binding
 
 
 def _state() -> tuple[Any, Any, Any]:

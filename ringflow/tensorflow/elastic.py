@@ -10,6 +10,13 @@ copies, assigns and sends variables, eagerly:
   (``optimizer.build(model.trainable_variables)``), so that it receives the moments and the
   iteration count.
 
+Both states also carry the state of this rank's compressed exchanges (``compression=
+Compression.powersgd(...)`` and the like, on a tape or a Keras optimizer:
+:func:`~ringflow.tensorflow.gradient_tape.compressor_states`), as the torch optimizer's
+``state_dict()`` does: committed and restored with the variables; synced as
+:func:`ringflow.compressed.synced_state` says (rank 0's factors, step counts and ``auto``
+decision, each rank's own error feedback).
+
 ``run`` also turns the ``tf.errors.UnknownError`` by which a collective inside a
 ``tf.function`` (or a compiled Keras step) fails into ``HorovodInternalError``, when its text
 names one of ringflow's errors of that family; any other ``UnknownError`` propagates (Horovod's
@@ -28,10 +35,12 @@ from typing import Any
 import tensorflow as tf
 
 from ringflow import elastic as _core
+from ringflow.compressed import synced_state
 from ringflow.elastic import ObjectState
 from ringflow.errors import HorovodInternalError, UnsupportedError
 
 from . import broadcast_object, rank
+from .gradient_tape import compressor_states, load_compressor_states
 
 __all__ = ["ObjectState", "TensorFlowKerasState", "TensorFlowState", "run"]
 
@@ -78,6 +87,26 @@ class _Variables:
         self.save()
 
 
+class _Compressors:
+    """Saved states of this rank's compressed exchanges (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.save()
+
+    def save(self) -> None:
+        self.values = compressor_states()
+
+    def restore(self) -> None:
+        load_compressor_states(self.values)
+
+    def sync(self) -> None:
+        own = compressor_states()
+        received = broadcast_object(own)
+        load_compressor_states({key: synced_state(state, own.get(key, {"errors": {}}))
+                                for key, state in received.items()})
+        self.save()
+
+
 def _variables_of(optimizer: Any) -> Sequence[Any]:
     found = optimizer.variables  # Keras 3: a property; tf.keras 2: a method
     return found() if callable(found) else found
@@ -110,29 +139,34 @@ class TensorFlowKerasState(ObjectState):
             build(model.trainable_variables)  # its slots exist from now on, on every rank
         self._model = _Variables(lambda: self.model.variables)
         self._optimizer = _Variables(lambda: _variables_of(self.optimizer))
+        self._compressors = _Compressors()
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
+    def _parts(self) -> tuple[Any, ...]:
+        return self._model, self._optimizer, self._compressors
+
     def save(self) -> None:
-        self._model.save()
-        self._optimizer.save()
+        for part in self._parts():
+            part.save()
         super().save()
 
     def restore(self) -> None:
-        self._model.restore()
-        self._optimizer.restore()
+        for part in self._parts():
+            part.restore()
         super().restore()
 
     def sync(self) -> None:
-        self._model.sync()
-        self._optimizer.sync()
+        for part in self._parts():
+            part.sync()
         super().sync()
 
     def saved(self) -> Any:
         return {"model": self._model.values, "optimizer": self._optimizer.values,
-                **super().saved()}
+                "compressors": self._compressors.values, **super().saved()}
 
     def load_saved(self, saved: Any) -> None:
         self._model.values, self._optimizer.values = saved["model"], saved["optimizer"]
+        self._compressors.values = saved["compressors"]
         super().load_saved(saved)
 
 
@@ -148,23 +182,29 @@ class TensorFlowState(ObjectState):
                                    "and sessions are not supported): TensorFlowState(variables)")
         self.variables = list(variables)
         self._values = _Variables(lambda: self.variables)
+        self._compressors = _Compressors()
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
     def save(self) -> None:
         self._values.save()
+        self._compressors.save()
         super().save()
 
     def restore(self) -> None:
         self._values.restore()
+        self._compressors.restore()
         super().restore()
 
     def sync(self) -> None:
         self._values.sync()
+        self._compressors.sync()
         super().sync()
 
     def saved(self) -> Any:
-        return {"variables": self._values.values, **super().saved()}
+        return {"variables": self._values.values, "compressors": self._compressors.values,
+                **super().saved()}
 
     def load_saved(self, saved: Any) -> None:
         self._values.values = saved["variables"]
+        self._compressors.values = saved["compressors"]
         super().load_saved(saved)

@@ -29,6 +29,7 @@ and shape (``<prefix>.c<i>:<dtype><shape>``), as the generic names are.
 
 from __future__ import annotations
 
+import copy
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -45,9 +46,10 @@ from ringflow.errors import TensorError
 from .compression import Compression
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "allreduce_gradients",
-           "exchange_for"]
+           "compressor_states", "exchange_for", "load_compressor_states"]
 
 _EXCHANGES: dict[tuple[Any, ...], Exchange] = {}
+_PENDING: dict[tuple[Any, ...], dict[str, Any]] = {}  # loaded before their exchange existed
 
 
 def exchange_for(compression: GradientCompression, op: ReduceOp | int = Average,
@@ -57,13 +59,52 @@ def exchange_for(compression: GradientCompression, op: ReduceOp | int = Average,
     """The :class:`~ringflow.compressed.Exchange` (error feedback, warm start) that
     ``DistributedGradientTape(compression=...)`` / the Keras ``DistributedOptimizer`` use with
     these arguments: its ``state_dict()`` / ``load_state_dict()`` save and restore it. One per
-    engine: a new ``init()`` starts afresh (and ranks as threads each have their own)."""
-    key = (id(runtime.running()), compression, int(ReduceOp(op)), prescale, postscale,
-           id(process_set), prefix)
-    if key not in _EXCHANGES:
-        _EXCHANGES[key] = Exchange(compression, HOST, ReduceOp(op), prescale, postscale,
-                                   process_set)
-    return _EXCHANGES[key]
+    rank (ranks as threads each have their own); it outlives ``shutdown(); init()``, so that an
+    elastic reset keeps it (a ``tf.function`` traced before holds it) and the elastic states
+    restore and sync it (:func:`compressor_states`)."""
+    key = (runtime.this_rank(), compression, int(ReduceOp(op)), float(prescale),
+           float(postscale), process_set.process_set_id, prefix)
+    ex = _EXCHANGES.get(key)
+    if ex is None:
+        ex = _EXCHANGES[key] = Exchange(compression, HOST, ReduceOp(op), prescale, postscale,
+                                        process_set)
+        state = _PENDING.pop(key, None)
+        if state is not None:
+            ex.load_state_dict(state)
+    return ex
+
+
+def compressor_states() -> dict[tuple[Any, ...], dict[str, Any]]:
+    """A copy of the state of every compressed exchange of this rank (its tapes' and Keras
+    optimizers'), by a key that is the same on every rank: what TensorFlow's elastic states
+    commit, restore and send."""
+    me = runtime.this_rank()
+    states = {key[1:]: state for key, state in _PENDING.items() if key[0] is me}
+    states.update({key[1:]: ex.state_dict() for key, ex in _EXCHANGES.items() if key[0] is me})
+    return copy.deepcopy(states)
+
+
+def load_compressor_states(states: dict[tuple[Any, ...], dict[str, Any]]) -> None:
+    """Make this rank's compressed exchanges hold ``states`` (:func:`compressor_states`' form);
+    an exchange that ``states`` lacks starts afresh, one not created yet takes its state when
+    it is.
+
+    Raises:
+        ConfigError: a state is another compressor's.
+    """
+    me = runtime.this_rank()
+    for key in [key for key in _PENDING if key[0] is me]:
+        del _PENDING[key]
+    for key, ex in _EXCHANGES.items():
+        if key[0] is me and key[1:] not in states:
+            ex.clear()
+    for portable, state in copy.deepcopy(states).items():
+        ex = _EXCHANGES.get((me, *portable))
+        if ex is None:
+            _PENDING[(me, *portable)] = state
+        else:
+            ex.load_state_dict(state)
+
 
 _plain = tf.autograph.experimental.do_not_convert
 

@@ -88,3 +88,62 @@ def test_sparse_gradients_take_the_exact_sparse_path() -> None:
     expected[3] = expected[4] = 1.0  # one rank each: 2 * 1 / 2
     np.testing.assert_allclose(out[0], expected)
     np.testing.assert_array_equal(out[1], out[0])
+
+
+def test_elastic_states_commit_restore_and_sync_the_compressors() -> None:
+    # TensorFlowState carries this rank's compressed exchanges: restore() rolls their error
+    # feedback and warm-start factors back to the commit (so a replayed step gives the same
+    # bits), sync() gives every rank rank 0's factors and keeps each rank's own errors (a
+    # newcomer's: none).
+    from ringflow.tensorflow.elastic import TensorFlowState
+    from ringflow.tensorflow.gradient_tape import compressor_states, load_compressor_states
+
+    options = hvd.Compression.powersgd(rank=2, min_elements=64)
+    n = 3
+
+    def body(r: int, rf: Any) -> Any:
+        w = tf.Variable(np.linspace(-1, 1, 240, dtype=np.float32).reshape(24, 10))
+
+        def step(s: int) -> np.ndarray:
+            x = tf.constant(np.random.default_rng([r, s]).standard_normal((5, 24)), tf.float32)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.tanh(x @ w) ** 2)
+            (g,) = hvd.DistributedGradientTape(tape, compression=options).gradient(loss, [w])
+            w.assign_sub(0.1 * g)
+            return g.numpy()
+
+        step(0)
+        state = TensorFlowState([w], step=1)
+        committed = compressor_states()
+        first = step(1)
+        moved = compressor_states()
+        state.restore()
+        restored = compressor_states()
+        again = step(1)
+        state.restore()
+        if r == n - 1:
+            load_compressor_states({})  # as a newcomer: no exchange state at all
+        before_sync = compressor_states()
+        state.sync()
+        synced = compressor_states()
+        after = step(1)
+        return committed, moved, restored, first, again, before_sync, synced, after
+
+    out = run_engines(n, body, deadline=120)
+    for r in range(n):
+        committed, moved, restored, first, again, before_sync, synced, after = out[r]
+        (key,) = committed
+        name = next(iter(committed[key]["errors"]))
+        assert not np.array_equal(moved[key]["errors"][name], committed[key]["errors"][name])
+        for part in ("errors", "factors"):
+            np.testing.assert_array_equal(restored[key][part][name], committed[key][part][name])
+        np.testing.assert_array_equal(again, first)  # the replayed step, bit for bit
+        np.testing.assert_array_equal(synced[key]["factors"][name],
+                                      out[0][6][key]["factors"][name])
+        if r == n - 1:
+            assert before_sync[key]["factors"] == before_sync[key]["errors"] == {}
+            assert synced[key]["errors"] == {}
+        else:
+            np.testing.assert_array_equal(synced[key]["errors"][name],
+                                          committed[key]["errors"][name])
+        np.testing.assert_array_equal(after, out[0][7])  # the same factors: the same result

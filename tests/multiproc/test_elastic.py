@@ -342,27 +342,32 @@ def _torch() -> None:
     pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+@pytest.mark.parametrize("framework", ["torch", "tensorflow", "tensorflow-powersgd"])
 @pytest.mark.parametrize("grow", [False, True], ids=["kill", "add"])
 def test_framework_state_moves_between_generations(tmp_path, grow, framework):
     """TorchState (model, DistributedOptimizer with momentum, ElasticSampler) and
     TensorFlowKerasState (Keras model, Keras SGD with momentum: a newcomer's optimizer has no
-    variables before it is built)."""
-    pytest.importorskip(framework)
+    variables before it is built); with PowerSGD, the state carries the tape's compressor (a
+    hidden layer of 16 makes a kernel it compresses)."""
+    pytest.importorskip(framework.split("-")[0])
     worker = TORCH_WORKER if framework == "torch" else TF_WORKER
+    extra = ({"HIDDEN": "16", "RINGFLOW_COMPRESSION": "powersgd:rank=1:min_elements=16"}
+             if framework.endswith("powersgd") else {})
     if grow:
         proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "2", "--max-np", "3",
                            worker=worker, GROW=f"{tmp_path / 'hosts'}:3:{NAMES[2]}",
-                           EDIT=f"3:+{NAMES[2]}", SLEEP="0.1", EPOCHS="3")
+                           EDIT=f"3:+{NAMES[2]}", SLEEP="0.1", EPOCHS="3", **extra)
     else:
         proc = elastic_run(tmp_path, NAMES, "--min-np", "2", "--max-np", "3",
-                           worker=worker, KILL=f"{NAMES[1]}:5", SLEEP="0.02")
+                           worker=worker, KILL=f"{NAMES[1]}:5", SLEEP="0.02", **extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ends = finals(tmp_path)
     assert len(ends) == (3 if grow else 2)
     assert {e["size"] for e in ends} == {len(ends)}
     # Parameters and momentum equal on every rank, bit for bit (the newcomer's included).
     assert len({(tuple(e["params"]), tuple(e["momentum"])) for e in ends}) == 1
+    if extra:  # every rank compressed the kernel, and kept its own error feedback
+        assert all(e["compressed"] for e in ends), ends
     seen = samples_per_epoch(tmp_path)
     epochs = 3 if grow else 2
     assert {e: sorted(v) for e, v in seen.items()} == {e: list(range(12)) for e in range(epochs)}

@@ -23,6 +23,7 @@ import tensorflow as tf
 import ringflow.tensorflow as hvd
 from ringflow import elastic as core
 from ringflow import runtime
+from ringflow.tensorflow.gradient_tape import compressor_states
 
 OUT = os.environ["OUT"]
 LENGTH, EPOCHS = int(os.environ["LENGTH"]), int(os.environ["EPOCHS"])
@@ -40,7 +41,10 @@ hvd.init()
 data = np.random.default_rng(5).standard_normal((LENGTH, 4))
 target = data.sum(1, keepdims=True)
 keras.utils.set_random_seed(int(WID))  # other weights on every worker: sync() makes them equal
-model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, dtype="float64")])
+HIDDEN = int(os.environ.get("HIDDEN", "0"))  # a layer that RINGFLOW_COMPRESSION compresses
+model = keras.Sequential([keras.Input((4,)),
+                          *([keras.layers.Dense(HIDDEN, dtype="float64")] if HIDDEN else []),
+                          keras.layers.Dense(1, dtype="float64")])
 optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
 
 
@@ -85,6 +89,8 @@ train(hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, step=0, proces
 with open(os.path.join(OUT, f"final-{WID}.json"), "w") as f:
     json.dump({"rank": hvd.rank(), "size": hvd.size(),
                "params": [v.numpy().tobytes().hex() for v in model.variables],
-               "momentum": [np.asarray(v).tobytes().hex() for v in optimizer.variables]}, f)
+               "momentum": [np.asarray(v).tobytes().hex() for v in optimizer.variables],
+               "compressed": [sorted(state["errors"]) for state in compressor_states().values()
+                              if state["errors"]]}, f)
 hvd.shutdown()
 Path(OUT).joinpath(f"done-{WID}").touch()
