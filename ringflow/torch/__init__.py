@@ -6,7 +6,8 @@ defaults and semantics follow Horovod 0.28 except where noted below.
 Differences from Horovod 0.28 (each one deliberate):
 
 - CUDA (any non-CPU) tensors are reduced on the device with NCCL where every rank has it, else
-  staged through host memory (DESIGN.md, Devices); none of the GPU path has run on a GPU yet.
+  staged through host memory (DESIGN.md, Devices; docs/guides/gpus.md says what has run on a
+  GPU).
 - bfloat16 and bool tensors are supported; non-contiguous tensors are copied (in-place operations
   copy the result back) instead of rejected; zero-size tensors work.
 - ``Compression.bf16`` exists; compression is done by the engine while it fuses (no temporaries).
@@ -46,8 +47,9 @@ Differences from Horovod 0.28 (each one deliberate):
 - torch.distributed's backend ``"ringflow"`` (not in Horovod): importing this module registers
   it, and ``torch.distributed.init_process_group(backend="ringflow")`` runs torch's own API and
   DistributedDataParallel on ringflow's engine (:mod:`ringflow.torch.process_group`).
-- ``elastic`` (Horovod's elastic training) is not provided: ringflow jobs do not resize.
-  ``HostsUpdatedInterrupt`` exists for code that catches it and is never raised.
+- ``elastic`` (Horovod's elastic training, :mod:`ringflow.torch.elastic`): survivors keep their
+  processes and the state moves from live peers; the differences are in
+  docs/guides/elastic.md.
 
 The errors every collective raises are ringflow's typed errors, and all of them are
 ``HorovodInternalError`` (a ``RuntimeError``), as in Horovod; misuse that Horovod reports with

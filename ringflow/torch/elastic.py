@@ -21,7 +21,9 @@ Anything else given to :class:`TorchState` is a plain value
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -40,6 +42,13 @@ from . import (
 )
 
 __all__ = ["ElasticSampler", "ObjectState", "TorchState", "run"]
+
+if os.environ.get("RINGFLOW_ELASTIC_ID"):
+    # An elastic worker builds its optimizer right after init(), and torch's first optimizer
+    # imports torch._dynamo (1.0 s on the development VM). Imported here, with ringflow.torch,
+    # before init() asks to join, a newcomer does not keep its peers waiting for it in sync().
+    with contextlib.suppress(ImportError):
+        import torch._dynamo
 
 
 class ElasticSampler(torch.utils.data.Sampler):
