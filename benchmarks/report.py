@@ -180,6 +180,9 @@ ROWS = (
     Row("25 M MLP / small CNN training, `torch.set_num_threads(1)` in the script "
         "(`--threads script`)", "torch_ddp_vs_ringflow", _training("ringflow"),
         (("threads", "script"), ("horovod_script", False))),
+    Row("the ceiling of any synchronous exchange, the same (`--threads script --peers ... "
+        "lockstep`)", "torch_ddp_vs_ringflow", _training("lockstep"),
+        (("threads", "script"), ("horovod_script", False), ("lockstep", True))),
     Row("Horovod's `pytorch_synthetic_benchmark.py` (import changed) under ringflow-run vs "
         "DDP under torchrun (`--horovod-script`)", "torch_ddp_vs_ringflow", _horovod_script,
         (("horovod_script", True),)),
