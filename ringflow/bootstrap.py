@@ -46,8 +46,9 @@ A store that rank 0 serves over MPI is served by a thread of rank 0's process, a
 pickle-based collectives (``comm.allreduce(obj)``, ``comm.bcast(obj)``...) hold the GIL while
 they block: a rank 0 that left ``init()`` and entered one could not answer a slower rank's last
 store request, and both would wait for each other (seen in CI). :func:`settle` ends ``init()``
-with an ``MPI_Barrier`` (which releases the GIL) on that communicator, so no rank leaves before
-every rank has its answers.
+with a barrier on that communicator (``MPI_Ibarrier``, polled, so that the GIL is free and a
+rank that failed in ``init()`` cannot hang the others), so no rank leaves before every rank has
+its answers.
 """
 
 from __future__ import annotations

@@ -118,7 +118,39 @@ def _eager(what: str) -> None:
                                "are not supported by ringflow's TensorFlow adapter")
 
 
-class TensorFlowKerasState(ObjectState):
+class _WithParts(ObjectState):
+    """An ObjectState that also saves, restores, syncs and hands over its named parts (each a
+    :class:`_Variables`), and this rank's compressors."""
+
+    def __init__(self, parts: dict[str, Any], **kwargs: Any) -> None:
+        self._parts = {**parts, "compressors": _Compressors()}
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+
+    def save(self) -> None:
+        for part in self._parts.values():
+            part.save()
+        super().save()
+
+    def restore(self) -> None:
+        for part in self._parts.values():
+            part.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for part in self._parts.values():
+            part.sync()
+        super().sync()
+
+    def saved(self) -> Any:
+        return {**{name: part.values for name, part in self._parts.items()}, **super().saved()}
+
+    def load_saved(self, saved: Any) -> None:
+        for name, part in self._parts.items():
+            part.values = saved[name]
+        super().load_saved(saved)
+
+
+class TensorFlowKerasState(_WithParts):
     """A Keras model and its optimizer (``model.optimizer`` by default), and plain values.
 
     Raises:
@@ -137,40 +169,12 @@ class TensorFlowKerasState(ObjectState):
         build = getattr(self.optimizer, "build", None)
         if build is not None and not getattr(self.optimizer, "built", True):
             build(model.trainable_variables)  # its slots exist from now on, on every rank
-        self._model = _Variables(lambda: self.model.variables)
-        self._optimizer = _Variables(lambda: _variables_of(self.optimizer))
-        self._compressors = _Compressors()
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def _parts(self) -> tuple[Any, ...]:
-        return self._model, self._optimizer, self._compressors
-
-    def save(self) -> None:
-        for part in self._parts():
-            part.save()
-        super().save()
-
-    def restore(self) -> None:
-        for part in self._parts():
-            part.restore()
-        super().restore()
-
-    def sync(self) -> None:
-        for part in self._parts():
-            part.sync()
-        super().sync()
-
-    def saved(self) -> Any:
-        return {"model": self._model.values, "optimizer": self._optimizer.values,
-                "compressors": self._compressors.values, **super().saved()}
-
-    def load_saved(self, saved: Any) -> None:
-        self._model.values, self._optimizer.values = saved["model"], saved["optimizer"]
-        self._compressors.values = saved["compressors"]
-        super().load_saved(saved)
+        super().__init__({"model": _Variables(lambda: self.model.variables),
+                          "optimizer": _Variables(lambda: _variables_of(self.optimizer))},
+                         **kwargs)
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(_WithParts):
     """A list of ``tf.Variable`` s (eagerly; ``session`` is TF1's and not supported), and plain
     values."""
 
@@ -181,30 +185,4 @@ class TensorFlowState(ObjectState):
             raise UnsupportedError("TensorFlowState needs the variables (TF1's global variables "
                                    "and sessions are not supported): TensorFlowState(variables)")
         self.variables = list(variables)
-        self._values = _Variables(lambda: self.variables)
-        self._compressors = _Compressors()
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def save(self) -> None:
-        self._values.save()
-        self._compressors.save()
-        super().save()
-
-    def restore(self) -> None:
-        self._values.restore()
-        self._compressors.restore()
-        super().restore()
-
-    def sync(self) -> None:
-        self._values.sync()
-        self._compressors.sync()
-        super().sync()
-
-    def saved(self) -> Any:
-        return {"variables": self._values.values, "compressors": self._compressors.values,
-                **super().saved()}
-
-    def load_saved(self, saved: Any) -> None:
-        self._values.values = saved["variables"]
-        self._compressors.values = saved["compressors"]
-        super().load_saved(saved)
+        super().__init__({"variables": _Variables(lambda: self.variables)}, **kwargs)
