@@ -46,8 +46,9 @@ class HorovodInternalError(RingflowError, RuntimeError):
 
 
 class HostsUpdatedInterrupt(RingflowError, RuntimeError):
-    """Horovod's elastic interrupt: the set of hosts changed. ringflow jobs do not resize, so it
-    is never raised; it exists for code that catches it. ``skip_sync`` as in Horovod."""
+    """Horovod's elastic interrupt: the set of hosts changed (workers wait to join, or a host
+    left the discovery script's list); ``commit()`` / ``check_host_updates()`` raise it on every
+    rank of an elastic job alike, and the job re-forms. ``skip_sync`` as in Horovod."""
 
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__(f"the hosts of the job were updated (skip_sync={skip_sync})")

@@ -28,7 +28,8 @@ Every collective works eagerly and inside ``tf.function`` and is differentiable 
   batches); Horovod averages per-rank moments.
 - ``broadcast_object``/``allgather_object`` default to a fixed name rather than the object's
   type name, so a non-root rank may pass ``None``.
-- ``size_op``/``rank_op``/``local_*_op`` are constants: ringflow jobs do not resize.
+- ``size_op``/``rank_op``/``local_*_op`` are constants, except in the graphs of an elastic
+  worker, where they are read when the graph runs (as Horovod's under ``HOROVOD_ELASTIC``).
 - Point to point (not in Horovod): ``send`` / ``recv``, eagerly and in ``tf.function``,
   differentiable (see :mod:`ringflow.tensorflow.p2p`); ``isend`` / ``irecv`` eagerly.
 """
@@ -99,6 +100,7 @@ from .mpi_ops import (
     alltoall,
     barrier,
     broadcast,
+    current,
     gather,
     grouped_allgather,
     join,
@@ -247,7 +249,7 @@ def _sparse_allreduce(tensor: tf.IndexedSlices, op: ReduceOp, prescale_factor: f
         [tensor.values, tensor.indices], kit.op_name("sparse", name), ignore_name_scope,
         process_set)
     if op == ReduceOp.AVERAGE:
-        values = values / tf.cast(process_set.size(), values.dtype)
+        values = values / tf.cast(current(process_set.size), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
 
 

@@ -44,6 +44,7 @@ from ringflow.compression import GradientCompression
 from ringflow.errors import TensorError
 
 from .compression import Compression
+from .mpi_ops import current
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "allreduce_gradients",
            "compressor_states", "exchange_for", "load_compressor_states"]
@@ -162,7 +163,7 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None, *
             continue
         if v is not None and id(v) in local:
             if scale_local_gradients:
-                out[i] = g / tf.cast(process_set.size(), g.dtype)
+                out[i] = g / tf.cast(current(process_set.size), g.dtype)
             continue
         if isinstance(g, tf.IndexedSlices) and sparse_as_dense:
             g = out[i] = tf.convert_to_tensor(g)

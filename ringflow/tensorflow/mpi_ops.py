@@ -28,6 +28,7 @@ which is the same on every rank.
 
 from __future__ import annotations
 
+import os
 import re
 import weakref
 from collections.abc import Callable, Sequence
@@ -521,26 +522,38 @@ def barrier(process_set: ProcessSet = global_process_set) -> Any:
     return _call(run, [], [tf.int32], "HorovodBarrier")[0].op
 
 
+def current(value: Callable[[], int], name: str | None = None) -> tf.Tensor:
+    """``value()`` as an int32 tensor. In a graph of an elastic worker it is read each time the
+    graph runs, not when it was traced: the world may have re-formed since (Horovod's ops read
+    its size at run time under ``HOROVOD_ELASTIC``). Elsewhere a job never resizes: a
+    constant."""
+    if tf.executing_eagerly() or not os.environ.get("RINGFLOW_ELASTIC_ID"):
+        return tf.constant(value(), tf.int32, name=name)
+    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, name=name)
+    out.set_shape([])
+    return out
+
+
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """The number of processes (of the process set) as an int32 tensor."""
-    return tf.constant(_set_by_id(process_set_id).size(), tf.int32, name=name)
+    return current(lambda: _set_by_id(process_set_id).size(), name)
 
 
 def rank_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    return tf.constant(_set_by_id(process_set_id).rank(), tf.int32, name=name)
+    return current(lambda: _set_by_id(process_set_id).rank(), name)
 
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """1 (int32) if this rank belongs to the process set, else 0."""
-    return tf.constant(int(_set_by_id(process_set_id).included()), tf.int32, name=name)
+    return current(lambda: int(_set_by_id(process_set_id).included()), name)
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:
-    return tf.constant(_core.local_size(), tf.int32, name=name)
+    return current(_core.local_size, name)
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
-    return tf.constant(_core.local_rank(), tf.int32, name=name)
+    return current(_core.local_rank, name)
 
 
 _SETS: dict[int, ProcessSet] = {}

@@ -372,6 +372,11 @@ def test_framework_state_moves_between_generations(tmp_path, grow, framework):
     epochs = 3 if grow else 2
     assert {e: sorted(v) for e, v in seen.items()} == {e: list(range(12)) for e in range(epochs)}
     sizes = [rec[2] for rec in schedule(tmp_path)]
+    if framework.startswith("tensorflow"):  # tf.functions traced in the first generation
+        steps = [json.loads(line) for path in tmp_path.glob("steps-*.jsonl")
+                 for line in path.read_text().splitlines()]
+        assert all(s["size_op"] == s["size"] and s["local_scale"] == 1 / s["size"]
+                   for s in steps), steps
     if grow:
         assert sizes[:3] == [2] * 3 and set(sizes[3:]) == {3}, sizes
     else:  # step 5 may complete at size 3 (see the numpy test)

@@ -23,7 +23,7 @@ import tensorflow as tf
 import ringflow.tensorflow as hvd
 from ringflow import elastic as core
 from ringflow import runtime
-from ringflow.tensorflow.gradient_tape import compressor_states
+from ringflow.tensorflow.gradient_tape import allreduce_gradients, compressor_states
 
 OUT = os.environ["OUT"]
 LENGTH, EPOCHS = int(os.environ["LENGTH"]), int(os.environ["EPOCHS"])
@@ -48,6 +48,13 @@ model = keras.Sequential([keras.Input((4,)),
 optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
 
 
+# Traced once, in the first generation: what they return must follow the world's size.
+SIZE_OP = tf.function(lambda: hvd.size_op())
+ONE = tf.Variable(1.0, dtype=tf.float64)
+LOCAL_SCALE = tf.function(lambda: allreduce_gradients(  # a local variable's gradient / size
+    [tf.constant(1.0, tf.float64)], [ONE], local_vars=[ONE])[0])
+
+
 @hvd.elastic.run
 def train(state: hvd.elastic.TensorFlowKerasState) -> None:
     g = runtime.world().generation
@@ -62,7 +69,8 @@ def train(state: hvd.elastic.TensorFlowKerasState) -> None:
                         else tf.reduce_sum(out) * 0)
             tape = hvd.DistributedGradientTape(tape)
             rec = dict(gen=g, size=hvd.size(), step=state.step, epoch=state.epoch,
-                       processed=state.processed, sample=sample)
+                       processed=state.processed, sample=sample, size_op=int(SIZE_OP()),
+                       local_scale=float(LOCAL_SCALE()))
             if f"{HOST}:{state.step}" == KILL:
                 record(**rec)
                 tape.gradient(loss, model.trainable_variables)  # submitted, then gone
