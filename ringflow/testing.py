@@ -56,8 +56,6 @@ a launcher or a script, or whose ranks are started by one. Contract:
   session) is out of reach: if it holds a command's output open, the call fails at the deadline
   with the output read until then. The failure's message shows every command's exit code or why
   it was killed, and the end of its output.
-- ``retry_if(results)``: when a checked run failed and it returns true, every command is run once
-  more (for a known flake of a third party, documented where it is passed).
 """
 
 from __future__ import annotations
@@ -532,7 +530,6 @@ def run_commands(
     timeout: float = 120.0,
     check: bool = True,
     merge_stderr: bool = True,
-    retry_if: Callable[[list[CommandResult]], bool] | None = None,
 ) -> list[CommandResult]:
     """Run every command of ``commands`` (each an argv) at once under one deadline; return how
     each ended, in order (see the module doc for the contract).
@@ -558,9 +555,6 @@ def run_commands(
     where = None if cwd is None else os.fspath(cwd)
     results = _run_commands(commands, envs, where, timeout, check, merge_stderr)
     failed = any(r.returncode != 0 for r in results)
-    if check and failed and retry_if is not None and retry_if(results):
-        results = _run_commands(commands, envs, where, timeout, check, merge_stderr)
-        failed = any(r.returncode != 0 for r in results)
     if (check and failed) or any(r.timed_out for r in results):
         raise CommandFailure(results, timeout)
     return results

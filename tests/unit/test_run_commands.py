@@ -94,24 +94,6 @@ def test_deadline_fails_even_without_check() -> None:
     assert r.timed_out and r.stdout == "started\n"
 
 
-def test_retry_if_runs_a_failed_run_once_more(tmp_path: Path) -> None:
-    marker = tmp_path / "ran"
-    flaky = [PY, "-c", f"import os, sys; p = {str(marker)!r}; first = not os.path.exists(p); "
-                       f"open(p, 'a').write('x'); print('flake' if first else 'ok'); "
-                       f"sys.exit(1 if first else 0)"]
-    seen = []
-
-    def known_flake(results):
-        seen.append([r.stdout for r in results])
-        return "flake" in results[0].stdout
-
-    (r,) = run_commands([flaky], retry_if=known_flake, timeout=30)
-    assert r.stdout == "ok\n" and seen == [["flake\n"]] and marker.read_text() == "xx"
-    with pytest.raises(CommandFailure):  # a second failure is not retried again
-        run_commands([[PY, "-c", "print('flake'); raise SystemExit(1)"]], retry_if=known_flake,
-                     timeout=30)
-
-
 def test_bad_calls() -> None:
     with pytest.raises(ConfigError, match="at least one command"):
         run_commands([])
