@@ -57,7 +57,7 @@ from ._adapter import broadcast_object
 from .bootstrap import torchrun_store
 from .errors import HorovodInternalError, HostsUpdatedInterrupt, RingflowTimeoutError
 
-__all__ = ["ObjectState", "State", "run", "run_fn", "shard"]
+__all__ = ["ObjectState", "PartsState", "State", "run", "run_fn", "shard"]
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,42 @@ class ObjectState(State):
     def _set_attrs(self) -> None:
         for attr, value in self._saved_state.items():
             object.__setattr__(self, attr, copy.deepcopy(value))
+
+
+class PartsState(ObjectState):
+    """An ObjectState that also saves, restores, syncs and hands over its ``parts``: framework
+    objects wrapped so that each has ``save()``, ``restore()``, ``sync()`` and its ``saved``
+    value (the torch and TensorFlow states), by name."""
+
+    def __init__(self, parts: dict[str, Any],
+                 bcast_object: Callable[[Any], Any] = broadcast_object,
+                 get_rank: Callable[[], int] = rank, **kwargs: Any) -> None:
+        object.__setattr__(self, "_parts", parts)
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank, **kwargs)
+
+    def save(self) -> None:
+        for part in self._parts.values():
+            part.save()
+        super().save()
+
+    def restore(self) -> None:
+        for part in self._parts.values():
+            part.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for part in self._parts.values():
+            part.sync()
+        super().sync()
+
+    def saved(self) -> Any:
+        return {"parts": {name: part.saved for name, part in self._parts.items()},
+                **super().saved()}
+
+    def load_saved(self, saved: Any) -> None:
+        for name, part in self._parts.items():
+            part.saved = saved["parts"][name]
+        super().load_saved(saved)
 
 
 def _reset() -> None:

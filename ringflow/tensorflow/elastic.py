@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from ringflow import elastic as _core
 from ringflow.compressed import synced_state
-from ringflow.elastic import ObjectState
+from ringflow.elastic import ObjectState, PartsState
 from ringflow.errors import HorovodInternalError, UnsupportedError
 
 from . import broadcast_object, rank
@@ -73,10 +73,10 @@ class _Variables:
         self.save()
 
     def save(self) -> None:
-        self.values = [v.numpy() for v in self.variables()]
+        self.saved = [v.numpy() for v in self.variables()]
 
     def restore(self) -> None:
-        for var, value in zip(self.variables(), self.values, strict=True):
+        for var, value in zip(self.variables(), self.saved, strict=True):
             var.assign(value)
 
     def sync(self) -> None:
@@ -94,10 +94,10 @@ class _Compressors:
         self.save()
 
     def save(self) -> None:
-        self.values = compressor_states()
+        self.saved = compressor_states()
 
     def restore(self) -> None:
-        load_compressor_states(self.values)
+        load_compressor_states(self.saved)
 
     def sync(self) -> None:
         own = compressor_states()
@@ -118,39 +118,7 @@ def _eager(what: str) -> None:
                                "are not supported by ringflow's TensorFlow adapter")
 
 
-class _WithParts(ObjectState):
-    """An ObjectState that also saves, restores, syncs and hands over its named parts (each a
-    :class:`_Variables`), and this rank's compressors."""
-
-    def __init__(self, parts: dict[str, Any], **kwargs: Any) -> None:
-        self._parts = {**parts, "compressors": _Compressors()}
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def save(self) -> None:
-        for part in self._parts.values():
-            part.save()
-        super().save()
-
-    def restore(self) -> None:
-        for part in self._parts.values():
-            part.restore()
-        super().restore()
-
-    def sync(self) -> None:
-        for part in self._parts.values():
-            part.sync()
-        super().sync()
-
-    def saved(self) -> Any:
-        return {**{name: part.values for name, part in self._parts.items()}, **super().saved()}
-
-    def load_saved(self, saved: Any) -> None:
-        for name, part in self._parts.items():
-            part.values = saved[name]
-        super().load_saved(saved)
-
-
-class TensorFlowKerasState(_WithParts):
+class TensorFlowKerasState(PartsState):
     """A Keras model and its optimizer (``model.optimizer`` by default), and plain values.
 
     Raises:
@@ -170,11 +138,12 @@ class TensorFlowKerasState(_WithParts):
         if build is not None and not getattr(self.optimizer, "built", True):
             build(model.trainable_variables)  # its slots exist from now on, on every rank
         super().__init__({"model": _Variables(lambda: self.model.variables),
-                          "optimizer": _Variables(lambda: _variables_of(self.optimizer))},
-                         **kwargs)
+                          "optimizer": _Variables(lambda: _variables_of(self.optimizer)),
+                          "compressors": _Compressors()},
+                         bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
 
-class TensorFlowState(_WithParts):
+class TensorFlowState(PartsState):
     """A list of ``tf.Variable`` s (eagerly; ``session`` is TF1's and not supported), and plain
     values."""
 
@@ -185,4 +154,6 @@ class TensorFlowState(_WithParts):
             raise UnsupportedError("TensorFlowState needs the variables (TF1's global variables "
                                    "and sessions are not supported): TensorFlowState(variables)")
         self.variables = list(variables)
-        super().__init__({"variables": _Variables(lambda: self.variables)}, **kwargs)
+        super().__init__({"variables": _Variables(lambda: self.variables),
+                          "compressors": _Compressors()},
+                         bcast_object=broadcast_object, get_rank=rank, **kwargs)

@@ -31,7 +31,7 @@ import torch
 
 from .. import elastic as _core
 from ..compressed import synced_state
-from ..elastic import ObjectState, run
+from ..elastic import ObjectState, PartsState, run
 from . import (
     broadcast_async_,
     broadcast_object,
@@ -240,7 +240,7 @@ _HANDLERS: list[tuple[type, type[_Handler]]] = [
 ]
 
 
-class TorchState(ObjectState):
+class TorchState(PartsState):
     """The state of a torch training (Horovod's ``TorchState``): ``model``, ``optimizer`` and
     every keyword argument become attributes; models, optimizers, LR schedulers and
     :class:`ElasticSampler` s are handled as the module doc says, other values are plain ones.
@@ -257,36 +257,12 @@ class TorchState(ObjectState):
                 plain[name] = value
             else:
                 handlers[name] = kind(value)
-        object.__setattr__(self, "_handlers", handlers)
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **plain)
-
-    def save(self) -> None:
-        for handler in self._handlers.values():
-            handler.save()
-        super().save()
-
-    def restore(self) -> None:
-        for handler in self._handlers.values():
-            handler.restore()
-        super().restore()
-
-    def sync(self) -> None:
-        for handler in self._handlers.values():
-            handler.sync()
-        super().sync()
-
-    def saved(self) -> Any:
-        return {"handled": {n: h.saved for n, h in self._handlers.items()}, **super().saved()}
-
-    def load_saved(self, saved: Any) -> None:
-        for name, handler in self._handlers.items():
-            handler.saved = saved["handled"][name]
-        super().load_saved(saved)
+        super().__init__(handlers, bcast_object=broadcast_object, get_rank=rank, **plain)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        handlers = self.__dict__.get("_handlers", {})
+        handlers = self.__dict__.get("_parts", {})
         if name in handlers:
             handlers[name] = type(handlers[name])(value)
         object.__setattr__(self, name, value)
