@@ -267,7 +267,11 @@ class NcclCommunicator:
         self._destroyed = True
         self._work.put(None)
         self._write(f"closed.{self._rank}", b"")
-        if len(list(self._dir.glob("closed.*"))) == self._size:
+        try:  # two ranks closing at once may both count them all: the other may have removed it
+            closed = len(list(self._dir.glob("closed.*")))
+        except FileNotFoundError:
+            return
+        if closed == self._size:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
