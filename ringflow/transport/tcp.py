@@ -123,7 +123,9 @@ class _Peer:
         self._lock = threading.Lock()
         self._recvs: collections.deque[_Work] = collections.deque()
         self._recv_posted = threading.Condition(self._lock)
-        self._sends: collections.deque[tuple[list[memoryview], _Work]] = collections.deque()
+        # Queued frames: (header + payload still to write, work, is control, begun).
+        self._sends: collections.deque[tuple[list[memoryview], _Work, bool, bool]] = (
+            collections.deque())
         self._send_ready = threading.Condition(threading.Lock())
         self._send_lock = threading.Lock()  # one writer of the socket at a time
         self._pushing: _Work | None = None  # the send the sender thread is writing, if any
@@ -136,6 +138,7 @@ class _Peer:
     # sending -----------------------------------------------------------------------------------
     def send(self, tag: int, payload: memoryview, work: _Work) -> None:
         bufs = [memoryview(_HDR.pack(tag, payload.nbytes)), payload]
+        whole = bufs[0].nbytes + payload.nbytes
         with self._send_ready:
             if self.error is not None:
                 raise self.error
@@ -157,7 +160,8 @@ class _Peer:
                 # waits there for the reader (_send_failed), never in this caller, which may hold
                 # a lock the reader needs to deliver what it has read (the engine's control lock:
                 # a 5 s stall of a coordinator's survivors under load, before).
-                self._sends.append((bufs, work))
+                begun = sum(b.nbytes for b in bufs) < whole
+                self._sends.append((bufs, work, tag == _CTRL, begun))
                 self._send_ready.notify()
             else:
                 work.finish()
@@ -194,7 +198,7 @@ class _Peer:
                     self._send_ready.wait()
                 if self.error is not None:
                     return
-                bufs, work = self._sends[0]
+                bufs, work, _, _ = self._sends[0]
                 # Owned by this thread from now on: fail() must not fail a send whose bytes may
                 # all have been written (a peer that got them may say goodbye before we finish).
                 self._pushing = work
@@ -287,16 +291,23 @@ class _Peer:
 
     def abort(self, error: BaseException) -> None:
         """Fail this peer's pending data-plane work with ``error`` (the peer stays usable for
-        control messages)."""
+        control messages: the coordinator's verdict, the goodbye).
+
+        Frames whose first bytes are written stay queued, their work failed: the rest of such a
+        frame must follow it, or the peer would read every later frame as its payload, and the
+        connection would end mid-frame (the peer then reported this rank lost instead of the
+        verdict this rank sent: seen under load, a 1 MiB ring chunk half-written at the abort).
+        Control frames stay queued too; data frames not begun are dropped."""
         with self._lock:
             recvs = list(self._recvs)
             self._recvs.clear()
             self._recv_posted.notify_all()
         with self._send_ready:
-            sends = [w for _, w in self._sends]
-            self._sends.clear()
-            if self._pushing is not None:
-                sends.append(self._pushing)  # a write to a frozen peer may never end
+            queued = list(self._sends)
+            self._sends = collections.deque(
+                q for q in queued if q[2] or q[3] or q[1] is self._pushing)
+            # Every data frame's waiter is released now (a write to a frozen peer may never end).
+            sends = [work for _, work, ctrl, _ in queued if not ctrl]
         for work in recvs + sends:
             work.finish(error)
 
@@ -310,7 +321,7 @@ class _Peer:
             self._recvs.clear()
             self._recv_posted.notify_all()
         with self._send_ready:
-            sends = [w for _, w in self._sends if w is not self._pushing]
+            sends = [w for _, w, _, _ in self._sends if w is not self._pushing]
             self._sends.clear()
             self._send_ready.notify_all()
             if self._pushing is not None:

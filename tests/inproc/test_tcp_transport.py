@@ -39,6 +39,49 @@ def test_a_send_written_in_full_survives_the_peers_goodbye(monkeypatch):
     assert testing.run_ranks(2, body, transport="tcp", deadline=20) == ["ok", "ok"]
 
 
+def test_control_after_an_abort_follows_a_half_written_data_frame(monkeypatch):
+    """The caller wrote the first part of a large data frame and queued the rest; the job fails
+    (abort) before the sender thread, starved of CPU as on a loaded host, has taken the rest up.
+    The verdict sent next must reach the peer: the rest of the frame goes first. (Dropped with the
+    frame's work, the verdict was read as frame payload and the peer, seeing the connection end
+    mid-frame at this rank's exit, reported this rank lost: two texts for one failure.)"""
+    loop = tcp._Peer._send_loop
+    starve = threading.Event()
+    go = threading.Event()
+
+    def late_sender(self):
+        if starve.is_set():
+            go.wait(10)
+        return loop(self)
+
+    monkeypatch.setattr(tcp._Peer, "_send_loop", late_sender)
+    got: list[bytes] = []
+    arrived = threading.Event()
+    aborted = threading.Event()
+    starve.set()
+
+    def body(t):
+        buf = np.ones(16 << 20, np.uint8)  # larger than the socket buffers: part waits queued
+        if t.rank == 0:
+            work = t.isend(memoryview(buf), 1)
+            t.abort(RuntimeError("the job failed"))
+            t.send_ctrl(b"verdict", 1)
+            go.set()
+            with pytest.raises(RuntimeError, match="the job failed"):
+                work.wait()
+            aborted.wait(10)
+            return arrived.wait(10)
+        t.set_ctrl_handler(lambda src, payload: (got.append(bytes(payload)), arrived.set()),
+                           lambda r, e: got.append(repr(e).encode()))
+        go.wait(10)
+        t.abort(RuntimeError("the job failed"))  # the reader then discards the frame
+        aborted.set()
+        return arrived.wait(10)
+
+    assert testing.run_ranks(2, body, transport="tcp", deadline=30) == [True, True]
+    assert got == [b"verdict"]
+
+
 def test_a_write_after_an_unread_goodbye_is_a_departure_not_a_loss(monkeypatch):
     """Rank 1 says goodbye and closes while rank 0's reader has not yet read the goodbye (a
     reader thread starved of CPU, as on a loaded host). Rank 0's writes to it then fail: that
