@@ -9,10 +9,12 @@
 ``pytest -m "not processes"`` is the quick tier to run before every commit (unit/ and inproc/:
 pure functions, and ranks as threads).
 
-In parallel (pytest-xdist, ``-n 4 --dist loadgroup``: the README's second command), tests that
-start no process are spread one by one; a file of process tests stays on one worker (an
-``xdist_group`` named after it), so that its module fixtures (a Ray cluster, a Spark run, a
-namespace cluster, a built wheel, a reference training) are made once, as in a serial run. Ray's
+In parallel (pytest-xdist, ``-n auto --dist loadgroup``, on machines with more cores than this
+project's 2-core VM, where the README's second command runs serially: its contributing section
+says why), tests that start no process are spread one by one; a file of process tests stays on
+one worker (an ``xdist_group`` named after it), so that its module fixtures (a Ray cluster, a
+Spark run, a namespace cluster, a built wheel, a reference training) are made once, as in a
+serial run. Ray's
 files share one group: concurrent Ray clusters would each reserve a share of memory for their
 object store and contend for the same 2 cores. Names that processes share (/dev/shm, network
 namespaces, ports) are unique per process already: job ids, pids, port 0.
