@@ -5,7 +5,7 @@ time until the next step completes, and what saving the state every step costs.
 
 Three workers on this machine train ``examples/pytorch_synthetic_benchmark.py``'s model (``mlp``:
 25.2 M parameters; SGD with momentum; a synthetic batch of ``--batch-size`` a rank), alternating
-rounds of two peers, each launcher with its defaults except what the comparison needs:
+rounds of the peers, each launcher with its defaults except what the comparison needs:
 
 - ``ringflow``: ``ringflow-run --min-np 2 --max-np 3 --host-discovery-script`` (the script lists
   ``localhost:3``), ``DistributedOptimizer``, ``hvd.elastic.TorchState(model, optimizer, step)``
@@ -15,10 +15,20 @@ rounds of two peers, each launcher with its defaults except what the comparison 
   store on loopback), DDP on gloo (``GLOO_SOCKET_IFNAME=lo``: loopback only), a checkpoint every
   step (rank 0, ``torch.save`` of the model, the optimizer and the step, then a rename). The
   victim's death makes the agent restart every worker, which load the checkpoint (torchrun's
-  documented way). Its elastic forms did not recover here (2026-11-27, torch 2.13): one agent
-  with ``--nnodes 1:2 --rdzv-backend c10d`` stayed in its re-rendezvous past 60 s; three agents
-  of one worker each (``--nnodes 2:3``, three "nodes" on this machine) restarted workers whose
-  gloo could not connect ("Connection refused") until the restarts ran out.
+  documented way).
+- ``torchrun-nnodes``: its elastic form, three agents of one worker each (three "nodes" on this
+  machine), ``--nnodes 2:3 --max-restarts 3 --rdzv-backend c10d`` on a loopback endpoint
+  (``--rdzv-conf last_call_timeout=2``: the default 30 s would only add waiting), the same worker.
+  The victim's agent restarts its worker, and every agent restarts its own at the new
+  rendezvous; all load the checkpoint.
+
+Both torchrun forms run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. By default (torch 2.13)
+the workers of every restart rendezvous in the agent's one TCPStore under the same keys
+(``torch/distributed/rendezvous.py``: "We create a new TCPStore for every retry so no need to
+add prefix", while ``dynamic_rendezvous.py`` keeps one shared server for the whole run), so
+gloo's full mesh may read a dead worker's address: "Gloo connectFullMesh failed ...
+Connection refused" until the restarts ran out, or a hang (0 of 4 recoveries here on
+2026-11-27). With sharing off, each rendezvous round names a fresh store.
 
 At ``--kill-at`` the worker of rank 1 writes the time and SIGKILLs itself after its backward pass.
 Measured: from that time to the first step completed by the next world (the next generation; the
@@ -36,6 +46,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -47,7 +58,7 @@ from typing import Any
 import records  # this directory's (a script's first path)
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = ("ringflow", "torchrun")
+PEERS = ("ringflow", "torchrun", "torchrun-nnodes")
 
 
 # --- the workers -------------------------------------------------------------------------------
@@ -111,7 +122,9 @@ def torchrun_worker(args: argparse.Namespace) -> None:
     out = Path(args.out)
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # This process's start marks its world: after a failure every worker is a new process
+    # (an agent that only saw the membership change keeps its restart count).
+    world = time.time()
     model, opt, (x, y), loss_fn = _training(args)
     ckpt = out / "checkpoint.pt"
     step = 0
@@ -136,8 +149,8 @@ def torchrun_worker(args: argparse.Namespace) -> None:
                        out / "checkpoint.tmp")
             os.replace(out / "checkpoint.tmp", ckpt)
             save = time.time() - t1
-        _log(out, f"{rank}-{restart}", step=step, size=size, start=t0, done=t1, save=save,
-             world=int(restart))
+        _log(out, f"{rank}-{os.getpid()}", step=step, size=size, start=t0, done=t1, save=save,
+             world=world)
     dist.destroy_process_group()
 
 
@@ -161,12 +174,23 @@ def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, A
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 start_new_session=True)]
         else:
-            procs = [subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", "3", "--max-restarts", "3",
-                 *_worker_argv(args, peer, out)[1:]],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                start_new_session=True)]
+            env = dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # see the module doc
+            run = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "3"]
+            worker = _worker_argv(args, "torchrun", out)[1:]
+            if peer == "torchrun":
+                commands = [[*run, "--standalone", "--nproc-per-node", "3", *worker]]
+            else:
+                endpoint = f"127.0.0.1:{_free_port()}"
+                commands = [[*run, "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend",
+                             "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", out.name,
+                             "--local-addr", "127.0.0.1", "--rdzv-conf", "last_call_timeout=2",
+                             *worker]] * 3
+            procs = []
+            for command in commands:
+                procs.append(subprocess.Popen(
+                    command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    text=True, start_new_session=True))
+                time.sleep(1.0 if len(procs) == 1 and len(commands) > 1 else 0)  # its store
         try:
             errs = [p.communicate(timeout=args.timeout)[1] for p in procs]
         except subprocess.TimeoutExpired:
@@ -175,10 +199,10 @@ def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, A
             _kill_workers(out)  # torchrun's workers are not in its process group
             return _failed(peer, f"the job did not end within {args.timeout:g} s")
         codes = [p.returncode for p in procs]
-        if codes != [0]:
+        if any(codes):
             lines = [line for e in errs for line in e.splitlines() if "Error:" in line
                      and "ChildFailedError" not in line]  # the worker's, not the agent's
-            return _failed(peer, f"exit code {codes[0]}: {(lines or ['?'])[0][-300:]}")
+            return _failed(peer, f"exit codes {codes}: {(lines or ['?'])[0][-300:]}")
         kill = json.loads((out / "kill.json").read_text())
         logs = [json.loads(line) for path in out.glob("log-*.jsonl")
                 for line in path.read_text().splitlines()]
@@ -196,6 +220,12 @@ def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, A
           f"save {save_s * 1e3:.1f} ms ({got['save_cost']:.1%}); size after "
           f"{got['sizes_after']}", file=sys.stderr, flush=True)
     return got
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _kill_workers(out: Path) -> None:
@@ -228,7 +258,7 @@ def main() -> int:
     if args.worker == "ringflow":
         ringflow_worker(args)
         return 0
-    if args.worker == "torchrun":
+    if args.worker in ("torchrun", "torchrun-nnodes"):
         torchrun_worker(args)
         return 0
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join(

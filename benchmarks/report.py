@@ -128,7 +128,8 @@ def _elastic(f: dict[str, Any]) -> str:
         return (f"{got}, kill to step {g['kill_to_step_s']:.2f} s, saving every step "
                 f"{g['save_cost']:.0%} of a step")
 
-    return f"ringflow {peer('ringflow')}; torchrun {peer('torchrun')}"
+    return (f"ringflow {peer('ringflow')}; torchrun {peer('torchrun')}; torchrun --nnodes 2:3 "
+            f"{peer('torchrun-nnodes')}")
 
 
 def _elastic_join(f: dict[str, Any]) -> str:
@@ -200,9 +201,10 @@ ROWS = (
     Row("fp16 compression of a 100 MB torch gradient (`benchmarks/cast_cost.py`)", "cast_cost",
         _casts, (("framework", "torch"),)),
     Row("Elastic, 25 M MLP, 3 workers, one SIGKILLed mid-step: `ringflow-run --min-np 2` "
-        "(`commit()` every step) vs `torchrun --standalone --max-restarts 3` (a checkpoint every "
-        "step) (`benchmarks/elastic_vs_torchrun.py`)", "elastic_vs_torchrun", _elastic,
-        (("peers", ["ringflow", "torchrun"]), ("model", "mlp"))),
+        "(`commit()` every step) vs `torchrun --standalone --max-restarts 3` and three torchrun "
+        "agents `--nnodes 2:3` (a checkpoint every step) (`benchmarks/elastic_vs_torchrun.py`)",
+        "elastic_vs_torchrun", _elastic,
+        (("peers", ["ringflow", "torchrun", "torchrun-nnodes"]), ("model", "mlp"))),
     Row("Elastic, 25 M MLP: a third worker joins 2, from its request to the first step at size "
         "3 (parameters and momentum from its peers) (`benchmarks/elastic_join.py`)",
         "elastic_join", _elastic_join, (("model", "mlp"),)),

@@ -182,10 +182,18 @@ def _port(var: str, text: str) -> int:
 
 
 def _torch_prefix(env: Mapping[str, str]) -> str:
-    """Keys of this job in a torch store that may outlive it (torchrun's agent store keeps its
-    keys across restarts of the workers)."""
+    """Keys of this job in a torch store that may outlive it: torchrun's agent store keeps its
+    keys across restarts of the workers, so they carry the restart count. Only there: with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every rendezvous round has a store of its own, and
+    the agents of a job of several nodes count restarts differently (an agent whose workers
+    were restarted for another node's failure keeps its count), so the count would split one
+    round's workers into groups that never meet."""
     run = env.get("TORCHELASTIC_RUN_ID", "")
-    return f"ringflow/{run}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/" if run else "ringflow/"
+    if not run:
+        return "ringflow/"
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return f"ringflow/{run}/"
+    return f"ringflow/{run}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def torchrun_store(suffix: str, timeout: float) -> Any:

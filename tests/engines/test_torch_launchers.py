@@ -58,6 +58,24 @@ def test_torchrun_two_nodes_of_one_process_with_c10d_rendezvous(isolated) -> Non
     assert out == expected(2, [(0, 1, 0, 2), (0, 1, 1, 2)], "torchrun")
 
 
+def test_torchrun_two_nodes_restart_after_a_death_with_a_store_per_round(isolated, tmp_path):
+    """Rank 1 dies (SIGKILL) before init(); its agent restarts it and counts a restart, the
+    other agent restarts its worker for the new rendezvous round without counting one. With
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (which torch's own gloo needs here: with one shared
+    store its restarted workers may read the dead ones' addresses) each round has a store of
+    its own. ringflow's keys used to carry the restart count, which then differed between the
+    two workers: they never met, and the job timed out."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = isolated + TORCHRUN + [
+        "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend",
+        "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "restarts", JOB, "--size", "2",
+        "--die-once", str(tmp_path / "died")]
+    env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", RINGFLOW_TIMEOUT_S="15")
+    out = passes(run_all([(node, env), (node, env)]))
+    assert (tmp_path / "died").exists()
+    assert out == expected(2, [(0, 1, 0, 2), (0, 1, 1, 2)], "torchrun")
+
+
 def test_torchrun_inside_an_sbatch_step_uses_torchruns_world(isolated) -> None:
     """Used to be silently wrong: the batch step's SLURM_* variables won over torchrun's."""
     out = passes(run_all([(isolated + TORCHRUN + ["--standalone", "--nproc-per-node", "3", JOB,

@@ -1,19 +1,23 @@
 """One rank of a job started by some engine (torchrun, srun, mpirun, Ray, Spark, ...).
 
     python job.py [--init auto|torch-first|explicit] [--init-method URL] [--size N] [--train]
+                  [--die-once MARKER]
 
 Checks, on every rank: the world has ``--size`` ranks; allreduces of lengths 0, 1, 7 and
 100,003 are exact in closed form (rank r contributes r + 1); broadcast from the last rank;
 the job's key-value client carries rank 0's object to every rank; with ``--train``, five SGD
 steps of ``ringflow.torch.DistributedOptimizer`` on a shard of the global batch leave the same
 parameters as one process training on the whole global batch (to 1e-5). Prints ``PASS rank
-r/n local lr/ls cross cr/cs via DETECTOR`` and exits 0, or raises.
+r/n local lr/ls cross cr/cs via DETECTOR`` and exits 0, or raises. With ``--die-once``, the
+process of global rank 1 (``RANK``) SIGKILLs itself before ``init()`` if ``MARKER`` does not
+exist yet, creating it: a launcher that restarts its workers runs the job once more.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 import numpy as np
 
@@ -86,7 +90,11 @@ def main() -> None:
     p.add_argument("--init-method", default=None)
     p.add_argument("--size", type=int, default=None)
     p.add_argument("--train", action="store_true")
+    p.add_argument("--die-once", default=None)
     args = p.parse_args()
+    if args.die_once and os.environ.get("RANK") == "1" and not os.path.exists(args.die_once):
+        open(args.die_once, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     import ringflow as rf
 
