@@ -134,8 +134,14 @@ def at_step(tmp_path: Path, step: int, then, deadline_s: float = 90) -> threadin
     return thread
 
 
-def no_actor_left(tmp_path: Path) -> None:
+def no_actor_left(tmp_path: Path, other_node_s: float = 0.0) -> None:
+    """No actor process is left. The executor waits for its own node's actor processes to exit;
+    another node's raylet ends its actors after ray.kill in its own time, so a job with actors
+    on another node gives them ``other_node_s`` seconds."""
     pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    end = time.monotonic() + other_node_s
+    while pids and _running(pids) and time.monotonic() < end:
+        time.sleep(0.05)
     assert pids and _running(pids) == [], pids
 
 
