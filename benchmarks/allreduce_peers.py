@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import numpy as np
 import records  # this directory's (a script's first path)
 
 from ringflow.runner.launch import glibc_tunables
+from ringflow.testing import free_port
 from ringflow.topology import cpu_share
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -93,12 +93,6 @@ def worker(peer: str, sizes: list[int], result: str) -> None:
             json.dump(times, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_peer(peer: str, n: int, sizes: list[int], timeout: float) -> dict[str, float] | None:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
@@ -121,7 +115,7 @@ def run_peer(peer: str, n: int, sizes: list[int], timeout: float) -> dict[str, f
                                        *bind, "-np", str(n), *me], env=env,
                                       stdout=subprocess.DEVNULL)]
         else:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                        WORLD_SIZE=str(n))
             procs = []
             for r in range(n):

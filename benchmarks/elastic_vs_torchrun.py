@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,8 @@ from pathlib import Path
 from typing import Any
 
 import records  # this directory's (a script's first path)
+
+from ringflow.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("ringflow", "torchrun", "torchrun-nnodes")
@@ -180,7 +181,7 @@ def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, A
             if peer == "torchrun":
                 commands = [[*run, "--standalone", "--nproc-per-node", "3", *worker]]
             else:
-                endpoint = f"127.0.0.1:{_free_port()}"
+                endpoint = f"127.0.0.1:{free_port()}"
                 commands = [[*run, "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend",
                              "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", out.name,
                              "--local-addr", "127.0.0.1", "--rdzv-conf", "last_call_timeout=2",
@@ -220,12 +221,6 @@ def job(args: argparse.Namespace, peer: str, env: dict[str, str]) -> dict[str, A
           f"save {save_s * 1e3:.1f} ms ({got['save_cost']:.1%}); size after "
           f"{got['sizes_after']}", file=sys.stderr, flush=True)
     return got
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill_workers(out: Path) -> None:

@@ -84,6 +84,7 @@ __all__ = [
     "CommandFailure",
     "CommandResult",
     "EngineRank",
+    "free_port",
     "run_commands",
     "run_engines",
     "run_ranks",
@@ -416,6 +417,14 @@ def spawn_ranks(
     if n < 1:
         raise ConfigError(f"spawn_ranks(n={n}) needs at least one rank; pass n >= 1")
     return run(fn, args, np=n, timeout=deadline)
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on at 127.0.0.1 now, for a launcher that needs a fixed one
+    (torchrun's endpoint, ``MASTER_PORT``). Another process may take it before it is used."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 # --- run_commands (processes started as commands) ----------------------------------------------

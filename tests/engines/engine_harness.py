@@ -7,7 +7,6 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,13 +32,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     env["RINGFLOW_TIMEOUT_S"] = "30"
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (for launchers that need a fixed one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_all(commands: Sequence[tuple[Sequence[str], Mapping[str, str]]], timeout: float = 150,

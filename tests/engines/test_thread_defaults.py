@@ -26,10 +26,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engine_harness import clean_env, free_port, loopback_namespace, python, run_all
+from engine_harness import clean_env, loopback_namespace, python, run_all
 
 from ringflow import threads
-from ringflow.testing import CommandResult
+from ringflow.testing import CommandResult, free_port
 
 pytestmark = pytest.mark.timeout(300)
 

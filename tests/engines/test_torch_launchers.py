@@ -15,7 +15,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engine_harness import JOB, clean_env, free_port, loopback_namespace, passes, python, run_all
+from engine_harness import JOB, clean_env, loopback_namespace, passes, python, run_all
+
+from ringflow.testing import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

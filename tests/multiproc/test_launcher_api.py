@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 import ringflow
 from ringflow.errors import ConfigError, RankFailure
-from ringflow.testing import run_commands
+from ringflow.testing import free_port, run_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,12 +81,6 @@ total = rf.allreduce(np.full(5, rf.rank() + 1.0), name="x", op=rf.Sum)
 print(rf.rank(), rf.size(), rf.local_rank(), int(total[0]), flush=True)
 rf.shutdown()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env() -> dict[str, str]:

@@ -14,7 +14,6 @@ too. Every run has a deadline; a failure shows every rank's output.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ringflow  # noqa: E402
-from ringflow.testing import CommandFailure, run_commands  # noqa: E402
+from ringflow.testing import CommandFailure, free_port, run_commands  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,12 +40,6 @@ ENV = {**{k: v for k, v in os.environ.items()
        "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 RINGFLOW_RUN = [sys.executable, "-m", "ringflow.runner"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_all(commands: Sequence[Sequence[str]], timeout: float = 200) -> list[str]:
