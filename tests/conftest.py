@@ -9,15 +9,14 @@
 ``pytest -m "not processes"`` is the quick tier to run before every commit (unit/ and inproc/:
 pure functions, and ranks as threads).
 
-In parallel (pytest-xdist, ``-n auto --dist loadgroup``, on machines with more cores than this
-project's 2-core VM, where the README's second command runs serially: its contributing section
-says why), tests that start no process are spread one by one; a file of process tests stays on
-one worker (an ``xdist_group`` named after it), so that its module fixtures (a Ray cluster, a
-Spark run, a namespace cluster, a built wheel, a reference training) are made once, as in a
-serial run. Ray's
-files share one group: concurrent Ray clusters would each reserve a share of memory for their
-object store and contend for the same 2 cores. Names that processes share (/dev/shm, network
-namespaces, ports) are unique per process already: job ids, pids, port 0.
+In parallel (pytest-xdist, ``-n 2 --dist loadgroup``: the README's second command), tests that
+start no process are spread one by one; a file of process tests goes to one worker as a unit
+(:func:`group_of`, through :func:`pytest_xdist_make_scheduler`), so that its module fixtures (a
+Ray cluster, a Spark run, a namespace cluster, a built wheel, a reference training) are made
+once, as in a serial run. Ray's files share one group: concurrent Ray clusters would each
+reserve a share of memory for their object store and contend for the same 2 cores. Names that
+processes share (/dev/shm, network namespaces, ports) are unique per process already: job ids,
+pids, port 0.
 """
 
 from __future__ import annotations
@@ -33,14 +32,35 @@ GROUPS = {"ray": ("multiproc/test_ray.py", "multiproc/test_ray_multinode.py",
                   "engines/test_ray_train.py")}
 
 
-def group_of(item: pytest.Item) -> str:
-    """The pytest-xdist group of a process test: its file, or a group of :data:`GROUPS`."""
-    path = Path(str(item.fspath)).resolve().relative_to(HERE).as_posix()
-    return next((name for name, paths in GROUPS.items() if path in paths), path)
+def group_of(path: Path) -> str | None:
+    """The pytest-xdist group of the tests in ``path``: its file for a file of process tests, or
+    a group of :data:`GROUPS`; None for tests that may go one by one."""
+    try:
+        name = path.resolve().relative_to(HERE).as_posix()
+    except ValueError:
+        return None
+    if name.split("/")[0] not in PROCESSES:
+        return None
+    return next((group for group, paths in GROUPS.items() if name in paths), name)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadgroup``: tests go to workers in the units of :func:`group_of`, read from each
+    test's id. (xdist's own loadgroup reads ``xdist_group`` marks by rewriting test ids, which
+    pytest 9.2's structured ids ignore, so its groups were silently lost: pytest-xdist#1386.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(config.rootpath / nodeid.split("::")[0]) or nodeid
+
+    return Groups(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         try:
             tier = Path(str(item.fspath)).resolve().relative_to(HERE).parts[0]
@@ -48,8 +68,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if tier in PROCESSES:
             item.add_marker(pytest.mark.processes)
-            if xdist:
-                item.add_marker(pytest.mark.xdist_group(group_of(item)))
         if tier == "multihost":
             item.add_marker(pytest.mark.multihost)
         if tier == "gpu":
