@@ -56,6 +56,7 @@ FORKING = """
     assert np.all(total == n * (n + 1) / 2), total[:3]
     rf.get_client().user_set(f"k{rf.rank()}", rf.rank())
     assert [rf.get_client().user_get(f"k{r}") for r in range(n)] == list(range(n))
+    rf.barrier()  # a store that rank 0 serves ends with rank 0: every rank has read it first
     print(f"rank {rf.rank()} ok; the child was {os.read(read, 100).decode()}", flush=True)
     rf.shutdown()
 """
