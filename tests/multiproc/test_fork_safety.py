@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ringflow
-from ringflow.testing import run_commands
+from ringflow.testing import free_port, run_commands
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -76,14 +76,10 @@ def test_forked_child_that_exits_normally_leaves_the_job_alone(tmp_path, transpo
 def test_forked_child_does_not_close_the_store_rank_0_serves(tmp_path):
     """Under a foreign launcher rank 0 serves ringflow's store itself (RINGFLOW_RENDEZVOUS_PORT
     with a secret file): a child's exit must not close that server's shared connections."""
-    import socket
-
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "forking.py"
     script.write_text(textwrap.dedent(FORKING))
     base = {k: v for k, v in ENV.items() if not k.startswith(("RINGFLOW_", "TORCHELASTIC"))}

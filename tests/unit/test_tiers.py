@@ -20,18 +20,18 @@ IDS = [
 ]
 
 
-def scopes(pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch, dist: str) -> object:
+def scheduler(pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch, dist: str) -> object:
     monkeypatch.setattr(pytestconfig.option, "dist", dist)
     monkeypatch.setattr(pytestconfig.option, "tx", ["2*popen"])
     return conftest.pytest_xdist_make_scheduler(pytestconfig, None)
 
 
 def test_loadgroup_keeps_a_file_of_process_tests_on_one_worker(pytestconfig, monkeypatch) -> None:
-    scheduler = scopes(pytestconfig, monkeypatch, "loadgroup")
-    got = [scheduler._split_scope(i) for i in IDS]  # type: ignore[attr-defined]
+    groups = scheduler(pytestconfig, monkeypatch, "loadgroup")
+    got = [groups._split_scope(i) for i in IDS]  # type: ignore[attr-defined]
     assert got == [IDS[0], IDS[1], "multiproc/test_elastic.py", "multiproc/test_elastic.py",
                    "ray", "ray", "docs/test_docs.py"]
 
 
 def test_other_distributions_are_xdists_own(pytestconfig, monkeypatch) -> None:
-    assert scopes(pytestconfig, monkeypatch, "load") is None
+    assert scheduler(pytestconfig, monkeypatch, "load") is None
