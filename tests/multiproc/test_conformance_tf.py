@@ -2,27 +2,49 @@
 at 2 and 3 ranks; and the cross-framework check: forward and gradients of every differentiable
 collective are equal in torch and TensorFlow (both apply the adapter kit's rules).
 
-The checks live in ``conformance/worker.py``, shared with test_conformance_torch.py.
+The checks live in ``conformance/worker.py``, shared with test_conformance_torch.py. The three
+modes run one after the other in one job per world size (a TensorFlow process costs several
+CPU-seconds to start); each test reads its mode's lines.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
 
 import pytest
 
 pytest.importorskip("tensorflow")
 
-from conformance.launch import conform
+from conformance.launch import conform_modes
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(420)
+
+MODES = ["tf-eager", "tf-function"] + (["cross"] if importlib.util.find_spec("torch") else [])
+
+
+@pytest.fixture(scope="module")
+def output_at() -> Callable[[int], str]:
+    """``output_at(np_)``: the output of the job of every mode on ``np_`` ranks (run once)."""
+    outputs: dict[int, str] = {}
+
+    def get(np_: int) -> str:
+        if np_ not in outputs:
+            outputs[np_] = conform_modes(MODES, np_)
+        return outputs[np_]
+
+    return get
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 @pytest.mark.parametrize("mode", ["tf-eager", "tf-function"])
-def test_tf_conformance(mode: str, np_: int) -> None:
-    conform(mode, np_)
+def test_tf_conformance(mode: str, np_: int, output_at: Callable[[int], str]) -> None:
+    out = output_at(np_)
+    assert out.count(f"PASS {mode}: ") == np_, out[-8000:]
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_torch_and_tensorflow_agree(np_: int) -> None:
+def test_torch_and_tensorflow_agree(np_: int, output_at: Callable[[int], str]) -> None:
     pytest.importorskip("torch")
-    conform("cross", np_)
+    out = output_at(np_)
+    assert out.count("PASS cross: ") == np_, out[-8000:]

@@ -1,13 +1,16 @@
-"""Horovod 0.28 conformance, one rank of a ringflow-run job: ``worker.py MODE``.
+"""Horovod 0.28 conformance, one rank of a ringflow-run job: ``worker.py MODE[,MODE...]``.
 
 MODE is ``torch`` (ringflow.torch), ``tf-eager`` / ``tf-function`` (ringflow.tensorflow, every
 collective called eagerly or inside a ``tf.function``) or ``cross`` (the same forward and
-gradient of every differentiable collective in torch and in TensorFlow, compared).
+gradient of every differentiable collective in torch and in TensorFlow, compared). Several
+modes run one after the other in the same job (a TensorFlow process costs several CPU-seconds
+to start).
 
 Each point of issue 14 is a named section: the expected value is written in closed form from
 the rank and the world size, every error case is checked on every rank, and every error is
 followed by an operation that must succeed with the exact result (the process survives its
-errors). A rank prints ``PASS <n> checks`` or exits 1 naming each failed check.
+errors). For each mode a rank prints ``PASS <mode>: <n> checks`` or names each failed check;
+it exits 1 if any failed.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import numpy as np
 import ringflow
 from ringflow import errors
 
-MODE = sys.argv[1]
-faulthandler.dump_traceback_later(150, exit=True)
+MODES = sys.argv[1].split(",")
+faulthandler.dump_traceback_later(100 * len(MODES) + 50, exit=True)
 FAILURES: list[str] = []
 PASSED: list[str] = []
 
@@ -277,7 +280,7 @@ def sparse(fw: Any) -> None:
         return d
 
     total = sum(dense_of(q) for q in range(n))
-    if MODE == "torch":
+    if isinstance(fw, Torch):
         torch = fw.torch
 
         def make() -> Any:
@@ -550,7 +553,7 @@ def model_parallel(fw: Any) -> None:
     weights = [rng.standard_normal((widths[k], widths[k + 1])) * 0.5 for k in range(n)]
     x = rng.standard_normal((5, 4))
     y = rng.standard_normal((5, widths[-1]))
-    if MODE == "torch":
+    if isinstance(fw, Torch):
         torch, hvd = fw.torch, fw.hvd
         ws = [torch.tensor(w, requires_grad=True) for w in weights]
         h = torch.tensor(x)
@@ -661,38 +664,44 @@ def _listed(v: Any) -> list[Any]:
     return list(v) if isinstance(v, list) else [v]
 
 
-def main() -> None:
-    if MODE == "torch":
-        fw: Any = Torch()
-    elif MODE in ("tf-eager", "tf-function"):
-        fw = TF(graph=MODE == "tf-function")
-    else:
-        fw = None
-    fw_hvd = Torch().hvd if fw is None else fw.hvd
-    fw_hvd.init()
-    r = ringflow.rank()
-    if fw is None:
+def run_mode(mode: str) -> None:
+    if mode == "cross":
         section("cross", cross)
         section("cross point to point", cross_point_to_point)
-    else:
-        section("errors", lambda: errors_are_horovods(fw))
-        if MODE == "torch":
-            section("duplicate names", lambda: duplicate_names(fw))
-            section("optimizer state", lambda: optimizer_state(fw))
-        section("global root", lambda: global_root(fw))
-        section("sparse", lambda: sparse(fw))
-        section("reducescatter and scaling", lambda: reducescatter_rules(fw))
-        section("adasum", lambda: adasum(fw))
-        section("join", lambda: join(fw))
-        section("point to point", lambda: point_to_point(fw))
-        section("model parallel", lambda: model_parallel(fw))
+        return
+    fw = Torch() if mode == "torch" else TF(graph=mode == "tf-function")
+    section("errors", lambda: errors_are_horovods(fw))
+    if mode == "torch":
+        section("duplicate names", lambda: duplicate_names(fw))
+        section("optimizer state", lambda: optimizer_state(fw))
+    section("global root", lambda: global_root(fw))
+    section("sparse", lambda: sparse(fw))
+    section("reducescatter and scaling", lambda: reducescatter_rules(fw))
+    section("adasum", lambda: adasum(fw))
+    section("join", lambda: join(fw))
+    section("point to point", lambda: point_to_point(fw))
+    section("model parallel", lambda: model_parallel(fw))
+
+
+def main() -> None:
+    first = MODES[0]
+    fw_hvd = (Torch() if first in ("torch", "cross") else TF(graph=False)).hvd
+    fw_hvd.init()
+    r = ringflow.rank()
+    failed = 0
+    for mode in MODES:
+        PASSED.clear()
+        FAILURES.clear()
+        run_mode(mode)
+        if FAILURES:
+            failed += 1
+            sys.stderr.write(f"rank {r}: {mode}: {len(FAILURES)} failed checks\n"
+                             + "\n".join(FAILURES) + "\n")
+        else:
+            print(f"PASS {mode}: {len(PASSED)} checks (rank {r})", flush=True)
     fw_hvd.shutdown()
     faulthandler.cancel_dump_traceback_later()
-    if FAILURES:
-        sys.stderr.write(f"rank {r}: {len(FAILURES)} failed checks\n" + "\n".join(FAILURES)
-                         + "\n")
-        sys.exit(1)
-    print(f"PASS {len(PASSED)} checks (rank {r})", flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
