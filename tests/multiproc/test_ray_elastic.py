@@ -226,13 +226,15 @@ def test_a_node_added_to_the_cluster_gets_a_worker_that_receives_the_state(clust
                                                                              tmp_path) -> None:
     """1.5 CPUs a slot: the head's 3 CPUs hold two workers. A second raylet (2 CPUs, its own
     resource) joins in the middle of the run: its worker joins the job and gets the model.
-    (Ray starts a raylet from the main thread only: the job runs on another.)"""
+    (Ray starts a raylet from the main thread only: the job runs on another.) Rank 0 holds the
+    job after step 3 until the driver asks it to re-form, so that a slow start of the raylet
+    cannot let the job end first."""
     outcome: dict[str, object] = {}
 
     def job() -> None:
         try:
             outcome["results"] = run_steps(tmp_path, executor(2, 3, cpus_per_slot=1.5),
-                                           SLEEP="0.2", EPOCHS="8")
+                                           SLEEP="0.2", EPOCHS="8", HOLD="3", EDIT_WAIT="40")
         except BaseException as exc:
             outcome["error"] = exc
 
@@ -254,7 +256,7 @@ def test_a_node_added_to_the_cluster_gets_a_worker_that_receives_the_state(clust
         assert outcome["results"] == [replay(schedule(tmp_path), epochs=8)] * 3
         ends = finals(tmp_path)
         assert len(ends) == 3 and {e["size"] for e in ends} == {3}
-        no_actor_left(tmp_path)
+        no_actor_left(tmp_path, other_node_s=30)  # the added node's actor: its raylet's time
     finally:
         cluster.remove_node(node)
 

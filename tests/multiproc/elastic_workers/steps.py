@@ -17,7 +17,8 @@ connects), ``STOP=HOST:STEP,...`` (the worker on HOST SIGSTOPs itself in the mid
 step),
 ``EDIT=STEP:+LINE,STEP:-LINE,...`` (rank 0 adds LINE to ``HOSTS``, or removes it, after that
 step, and holds the job until the driver asks it to re-form, so that the test knows the step;
-at most ``EDIT_WAIT`` seconds, default 60).
+at most ``EDIT_WAIT`` seconds, default 60), ``HOLD=STEP`` (rank 0 holds the job after that step
+in the same way, for a test that adds workers by other means).
 Each worker records its resident memory at each generation it joins (``rss-*.jsonl``).
 """
 
@@ -45,6 +46,7 @@ HOST = os.environ["RINGFLOW_HOSTNAME"]
 KILL = os.environ.get("KILL", "").split(",")
 KILL_SLOT, SLOT = os.environ.get("KILL_SLOT", ""), os.environ["RINGFLOW_LOCAL_RANK"]
 EDIT, HOSTS = os.environ.get("EDIT", ""), os.environ.get("HOSTS", "")
+HOLD = os.environ.get("HOLD", "")
 KILL_ADDS = os.environ.get("KILL_ADDS", "")
 SYNC_KILL = os.environ.get("SYNC_KILL", "").split(",")
 JOIN_KILL = os.environ.get("JOIN_KILL", "")
@@ -66,6 +68,11 @@ def edit_hosts(step: int) -> None:
             lines.remove(change[1:])
     Path(HOSTS + ".new").write_text("".join(line + "\n" for line in lines))
     os.replace(HOSTS + ".new", HOSTS)
+    hold()
+
+
+def hold() -> None:
+    """Wait until the driver asks this generation to re-form, at most ``EDIT_WAIT`` seconds."""
     end = time.monotonic() + float(os.environ.get("EDIT_WAIT", "60"))
     while not rf.runtime.world().update_pending() and time.monotonic() < end:
         time.sleep(0.05)
@@ -115,6 +122,8 @@ def train(state: elastic.ObjectState) -> int:
             k += 1
             if EDIT and rf.rank() == 0:
                 edit_hosts(state.step)
+            if str(state.step) == HOLD and rf.rank() == 0:
+                hold()
             time.sleep(SLEEP)
             state.commit()
         state.epoch += 1
