@@ -171,6 +171,14 @@ while len(threading.enumerate()) > 2 and time.monotonic() < end:
     time.sleep(0.01)
 final["threads"] = sorted(t.name for t in threading.enumerate())
 final["fds"] = len(os.listdir("/proc/self/fd"))
+final["fd_kinds"] = {}  # socket, pipe, anon_inode, file: how many of each
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the listing's own descriptor, closed by now
+        continue
+    kind = "file" if target.startswith("/") else target.split(":")[0]
+    final["fd_kinds"][kind] = final["fd_kinds"].get(kind, 0) + 1
 final["shm"] = [n for n in os.listdir("/dev/shm")
                 if n.startswith(f"rfj{os.environ['RINGFLOW_JOB_ID']}_")]
 with open(os.path.join(OUT, f"final-{WID}.json"), "w") as f:
