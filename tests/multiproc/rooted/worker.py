@@ -1,10 +1,11 @@
 """reduce, gather and scatter through the engine on every rank, in closed form.
 
-    ringflow-run -np N python worker.py numpy|torch|tensorflow
+    ringflow-run -np N python worker.py FRAMEWORK[,FRAMEWORK...]   (numpy, torch, tensorflow)
 
-Every dtype the framework moves, lengths 0, 1, odd and large, every root; then each error case
-(the same class and text on every rank) followed by an operation that succeeds. TensorFlow runs
-every case eagerly and, for the last root, inside ``tf.function``. Prints ``PASS rank r/n``.
+For each framework, one after the other in the same job: every dtype the framework moves,
+lengths 0, 1, odd and large, every root; then each error case (the same class and text on every
+rank) followed by an operation that succeeds. TensorFlow runs every case eagerly and, for the
+last root, inside ``tf.function``. Prints ``PASS <framework> rank r/n`` for each.
 """
 
 from __future__ import annotations
@@ -170,14 +171,15 @@ def errors(fw, r: int, n: int) -> int:
 
 
 def main() -> None:
-    fw = {"numpy": Numpy, "torch": Torch, "tensorflow": TensorFlow}[sys.argv[1]]()
-    fw.hvd.init()
+    ringflow.init()
     r, n = ringflow.rank(), ringflow.size()
-    count = run_cases(fw, r, n, range(n))
-    if sys.argv[1] == "tensorflow":
-        count += run_cases(fw, r, n, [n - 1], graph=True)
-    count += errors(fw, r, n)
-    print(f"PASS rank {r}/{n}: {count} operations", flush=True)
+    for name in sys.argv[1].split(","):
+        fw = {"numpy": Numpy, "torch": Torch, "tensorflow": TensorFlow}[name]()
+        count = run_cases(fw, r, n, range(n))
+        if name == "tensorflow":
+            count += run_cases(fw, r, n, [n - 1], graph=True)
+        count += errors(fw, r, n)
+        print(f"PASS {name} rank {r}/{n}: {count} operations", flush=True)
     ringflow.shutdown()
 
 
