@@ -9,7 +9,7 @@
 ``pytest -m "not processes"`` is the quick tier to run before every commit (unit/ and inproc/:
 pure functions, and ranks as threads).
 
-In parallel (pytest-xdist, ``-n 2 --dist loadgroup``: the README's second command), tests that
+In parallel (pytest-xdist, ``-n 3 --dist loadgroup``: the README's second command), tests that
 start no process are spread one by one; a file of process tests goes to one worker as a unit
 (:func:`group_of`, through :func:`pytest_xdist_make_scheduler`), so that its module fixtures (a
 Ray cluster, a Spark run, a namespace cluster, a built wheel, a reference training) are made
