@@ -9,8 +9,8 @@ CPU-seconds to start); each test reads its mode's lines.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-from collections.abc import Callable
 
 import pytest
 
@@ -23,28 +23,21 @@ pytestmark = pytest.mark.timeout(420)
 MODES = ["tf-eager", "tf-function"] + (["cross"] if importlib.util.find_spec("torch") else [])
 
 
-@pytest.fixture(scope="module")
-def output_at() -> Callable[[int], str]:
-    """``output_at(np_)``: the output of the job of every mode on ``np_`` ranks (run once)."""
-    outputs: dict[int, str] = {}
-
-    def get(np_: int) -> str:
-        if np_ not in outputs:
-            outputs[np_] = conform_modes(MODES, np_)
-        return outputs[np_]
-
-    return get
+@functools.cache
+def output_at(np_: int) -> str:
+    """The output of the job of every mode on ``np_`` ranks (run once)."""
+    return conform_modes(MODES, np_)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 @pytest.mark.parametrize("mode", ["tf-eager", "tf-function"])
-def test_tf_conformance(mode: str, np_: int, output_at: Callable[[int], str]) -> None:
+def test_tf_conformance(mode: str, np_: int) -> None:
     out = output_at(np_)
     assert out.count(f"PASS {mode}: ") == np_, out[-8000:]
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_torch_and_tensorflow_agree(np_: int, output_at: Callable[[int], str]) -> None:
+def test_torch_and_tensorflow_agree(np_: int) -> None:
     pytest.importorskip("torch")
     out = output_at(np_)
     assert out.count("PASS cross: ") == np_, out[-8000:]

@@ -7,10 +7,10 @@ three times as often for the same checks)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,27 +29,18 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RINGFLOW_TIMEOUT_S": "60",
 FRAMEWORKS = [f for f in ("numpy", "torch", "tensorflow") if importlib.util.find_spec(f)]
 
 
-@pytest.fixture(scope="module")
-def output_at() -> Callable[[int], str]:
-    """``output_at(np_)``: the output of the job of every installed framework on ``np_`` ranks
-    (run once)."""
-    outputs: dict[int, str] = {}
-
-    def get(np_: int) -> str:
-        if np_ not in outputs:
-            (proc,) = run_commands(
-                [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable,
-                  str(WORKER), ",".join(FRAMEWORKS)]], cwd=ROOT, env=ENV, timeout=280,
-                check=False)
-            outputs[np_] = proc.output
-        return outputs[np_]
-
-    return get
+@functools.cache
+def output_at(np_: int) -> str:
+    """The output of the job of every installed framework on ``np_`` ranks (run once)."""
+    (proc,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable, str(WORKER),
+          ",".join(FRAMEWORKS)]], cwd=ROOT, env=ENV, timeout=280, check=False)
+    return proc.output
 
 
 @pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow"])
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
-def test_reduce_gather_scatter(framework: str, np_: int, output_at: Callable[[int], str]) -> None:
+def test_reduce_gather_scatter(framework: str, np_: int) -> None:
     pytest.importorskip(framework)
     out = output_at(np_)
     assert out.count(f"PASS {framework} rank") == np_, out[-6000:]
