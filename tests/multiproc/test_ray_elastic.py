@@ -198,7 +198,9 @@ def test_a_worker_sigkilled_mid_step_the_survivors_finish_at_two(cluster, tmp_pa
 
 def test_a_ray_killed_actor_is_replaced_once_its_node_cools_down(cluster, tmp_path) -> None:
     """ray.kill of worker 1's actor: the survivors go on at 2; after the node's cooldown (1 s)
-    its free CPU gets a new actor, which receives the state and trains with them at 3."""
+    its free CPU gets a new actor, which receives the state and trains with them at 3. Rank 0
+    holds the job after step 8 until the driver asks it to re-form, so that a slow start of the
+    new actor on a loaded host cannot let the job end first (it did once, in three workers)."""
     job = executor(2, 3, cooldown_range=(1, 1))
     killed: list[int] = []
 
@@ -207,7 +209,7 @@ def test_a_ray_killed_actor_is_replaced_once_its_node_cools_down(cluster, tmp_pa
         killed.append(1)
 
     watcher = at_step(tmp_path, 3, kill)
-    results = run_steps(tmp_path, job, SLEEP="0.1", EPOCHS="6")
+    results = run_steps(tmp_path, job, SLEEP="0.1", EPOCHS="6", HOLD="8", EDIT_WAIT="40")
     watcher.join(10)
     assert killed
     sizes = sizes_of(tmp_path)
