@@ -15,8 +15,13 @@ other rank, with no thread wake-up and no round trip over a socket.
 it and submits the operation to the coordinator as usual (the engine's normal path, with every
 check, mismatch report, stall report and failure verdict it has) when
 
-* another rank has operations in flight on the normal path (its ``BUSY`` word), or posted a
-  different name: the ranks submit in different orders, so the coordinator orders them;
+* another rank has operations in flight on the normal path (its ``BUSY`` word) and has taken
+  in as much of the coordinator's stream of plans as this rank (its ``STREAM`` word), or posted
+  a different name: the ranks submit in different orders, so the coordinator orders them. A busy
+  rank that is behind in the stream is still finishing operations this rank has finished, so a
+  post waits for it (within ``lane_wait_us``): otherwise one operation on the normal path sends
+  the next ones there too, the rank that completes first finding the others still busy (a job
+  of 3 ranks on a loaded 2-CPU machine never came back to the lane in 299 operations);
 * the other ranks have not all posted within ``lane_wait_us`` (a rank that computes, or waits
   elsewhere, or died): a post never waits longer than that.
 
@@ -30,11 +35,11 @@ everywhere: its completion needed every rank's contribution).
 
 **Slots.** Each rank's slot is one 64-byte header line (``STATE``, ``BIT``, ``GEN``: the commit
 this rank's post belongs to, ``READ``: the last commit whose slots it has finished reading,
-``BUSY``; local rank 0's line also holds ``COMMITS``) and ``EAGER_BYTES`` of data. A rank writes
-its data only after every rank has read its previous committed data (``READ``), so no rank
-reads a slot while its owner rewrites it. A rank that sees its slot COMMITTED reads the others'
-data without the lock, which x86's total store order makes safe (stores are seen in the order
-they were made); on other CPUs there is no lane (:data:`TSO`).
+``BUSY``, ``STREAM``; local rank 0's line also holds ``COMMITS``) and ``EAGER_BYTES`` of data.
+A rank writes its data only after every rank has read its previous committed data (``READ``), so
+no rank reads a slot while its owner rewrites it. A rank that sees its slot COMMITTED reads the
+others' data without the lock, which x86's total store order makes safe (stores are seen in the
+order they were made); on other CPUs there is no lane (:data:`TSO`).
 
 **A job of one rank** has no lane: the engine completes its cached allreduces (any size, on
 the host or a device) in the submitting thread, with the same arithmetic
@@ -57,7 +62,7 @@ __all__ = ["LINE", "TSO", "Lane"]
 
 #: Bytes of a slot's header line (one cache line).
 LINE = 64
-_STATE, _BIT, _GEN, _READ, _BUSY, _COMMITS = range(6)  # words of a header line
+_STATE, _BIT, _GEN, _READ, _BUSY, _COMMITS, _STREAM = range(7)  # words of a header line
 EMPTY, POSTED, COMMITTED = 0, 1, 2
 #: Whether this CPU keeps stores in order as other CPUs see them (x86's total store order), which
 #: the lane's lock-free reads rely on: elsewhere there is no lane (the coordinator's eager path).
@@ -89,13 +94,22 @@ class Lane:
             words.release()
         self._data, self._views, self._maps = [], {}, []
 
-    # --- the busy word: written by its rank alone, read by the others without the lock ---------
+    # --- the busy and stream words: written by their rank alone, read by the others unlocked --
     def set_busy(self, busy: bool) -> None:
         self._mine[_BUSY] = busy
 
-    def others_busy(self) -> bool:
+    def took_in(self, stream: int) -> None:
+        """This rank has taken in (and completed what it could of) the coordinator's stream up to
+        ``stream``. Written after the ``BUSY`` word that completing it cleared, and read before
+        it (:meth:`blocked`): a rank seen caught up is seen idle if it is."""
+        self._mine[_STREAM] = stream
+
+    def blocked(self) -> bool:
+        """Whether another rank has operations in flight on the normal path beyond what this
+        rank has taken in of the coordinator's stream: they need the coordinator."""
+        stream = self._mine[_STREAM]
         for w in self._others:
-            if w[_BUSY]:
+            if w[_STREAM] >= stream and w[_BUSY]:
                 return True
         return False
 
@@ -105,7 +119,7 @@ class Lane:
         cache bit ``bit``; commit every rank's posts if this completes them. False (nothing
         posted) if a rank still reads this rank's previous data at ``deadline``."""
         while not self._read_by_all():
-            if time.perf_counter() > deadline or self.others_busy():
+            if time.perf_counter() > deadline or self.blocked():
                 return False
             os.sched_yield()
         self._data[self.rank][:data.nbytes] = data.view(np.uint8)
@@ -143,13 +157,13 @@ class Lane:
         return self._mine[_STATE] == COMMITTED
 
     def hopeless(self) -> bool:
-        """Whether this rank's post cannot commit: another rank is busy on the normal path or
-        posted another name."""
+        """Whether this rank's post cannot commit: another rank is :meth:`blocked` or posted
+        another name."""
         bit = self._mine[_BIT]
         for w in self._others:
-            if w[_BUSY] or (w[_STATE] == POSTED and w[_BIT] != bit):
+            if w[_STATE] == POSTED and w[_BIT] != bit:
                 return True
-        return False
+        return self.blocked()
 
     def withdraw(self) -> bool | None:
         """Take this rank's post back: True, False if it was committed meanwhile, None if the

@@ -76,6 +76,7 @@ class Plans:
                 queued = True
             else:
                 self.complete(resp, entries, None, result)
+        e.posts.took_in(e.seat.stream)
         if queued:
             e._inbox.put((Wake.RUN,))
 

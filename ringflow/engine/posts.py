@@ -51,7 +51,7 @@ class Posts:
                 return False
             self._solo(entry)
             return True
-        if lane.others_busy():
+        if lane.blocked():
             return False
         bit = e.cache.lookup(req)
         data = None if bit is None else eager_input(entry)
@@ -132,6 +132,11 @@ class Posts:
         e = self.e
         if self.lane is not None and not (e._pending or e._queued or e._closed):
             self.lane.set_busy(False)
+
+    def took_in(self, stream: int) -> None:
+        """This rank has taken in a plan, the coordinator's stream now at ``stream``."""
+        if self.lane is not None:
+            self.lane.took_in(stream)
 
     def close(self) -> None:
         """For good: no rank waits for this one on the lane, and its post is withdrawn."""

@@ -9,6 +9,7 @@ operations in flight) must end on the normal path with its usual result or error
 
 from __future__ import annotations
 
+import mmap
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 
 from ringflow.config import Config
 from ringflow.errors import RingflowError
+from ringflow.lane import LINE, Lane
 from ringflow.negotiation import EAGER_BYTES
 from ringflow.testing import run_engines
 
@@ -195,3 +197,34 @@ def test_an_output_array_and_poll_drive_a_posted_operation() -> None:
         return rf.stats()["lane"]
 
     run_engines(2, body, LANE, deadline=DEADLINE, shm=True)
+
+
+class _Segment:
+    """A slot's shared mapping, as ringflow.algorithms.shm gives the lane one."""
+
+    def __init__(self) -> None:
+        self.map = mmap.mmap(-1, LINE + EAGER_BYTES)
+        self.array = np.frombuffer(self.map, np.uint8)
+
+
+def test_a_busy_rank_behind_in_the_plan_stream_is_waited_for_one_level_with_it_is_not(
+        tmp_path) -> None:
+    # A busy rank still finishing plans this rank has finished will be idle soon: posting waits
+    # for it. One busy with as much of the stream has operations the coordinator must order.
+    segments = [_Segment(), _Segment()]
+    with open(tmp_path / "lock", "w") as lock:
+        me, other = Lane(0, segments, lock.fileno()), Lane(1, segments, lock.fileno())
+        me.took_in(5)
+        other.took_in(4)
+        other.set_busy(True)
+        assert not me.blocked() and not me.hopeless()
+        other.took_in(5)
+        assert me.blocked() and me.hopeless()
+        other.set_busy(False)
+        assert not me.blocked()
+        assert me.post(7, np.ones(4), time.perf_counter() + 1)
+        assert not me.hopeless() and not me.committed()
+        assert other.post(8, np.ones(4), time.perf_counter() + 1)  # another name: no commit
+        assert me.hopeless() and not me.committed()
+        me.close()
+        other.close()
