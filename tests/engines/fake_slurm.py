@@ -10,6 +10,10 @@ their node (:func:`netns_cluster.on_host`: its namespace and its host name).
 
     srun [-N NODES] [--ntasks-per-node K] COMMAND ...     (block distribution, like Slurm's)
     scontrol show hostnames [LIST]
+
+``scontrol`` writes its names one at a time, 0.2 s apart: a script that stops reading early
+(``| head -n 1`` under ``set -o pipefail``) fails here every time, as it does under a real
+``scontrol`` whenever the reader exits before the writer is done.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import hostlist
 
@@ -76,9 +81,12 @@ def scontrol(argv: list[str]) -> int:
     if argv[:2] != ["show", "hostnames"]:
         sys.stderr.write("fake scontrol: only 'show hostnames [LIST]'\n")
         return 2
-    for name in hostlist.expand_hostlist(argv[2] if len(argv) > 2
-                                         else os.environ["SLURM_JOB_NODELIST"]):
-        print(name)
+    names = hostlist.expand_hostlist(argv[2] if len(argv) > 2
+                                     else os.environ["SLURM_JOB_NODELIST"])
+    for i, name in enumerate(names):
+        if i:
+            time.sleep(0.2)
+        print(name, flush=True)
     return 0
 
 
