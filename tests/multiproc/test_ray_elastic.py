@@ -26,7 +26,7 @@ os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED
 ray = pytest.importorskip("ray")
 
 from elastic_checks import finals, nothing_leaked, replay, schedule  # noqa: E402
-from test_ray import _descendants, _is_loopback, _listeners, _running  # noqa: E402
+from test_ray import _descendants, _is_loopback, _listeners, _running, _state  # noqa: E402
 
 import ringflow  # noqa: E402
 from ringflow.errors import ConfigError, LaunchError  # noqa: E402
@@ -142,7 +142,23 @@ def no_actor_left(tmp_path: Path, other_node_s: float = 0.0) -> None:
     end = time.monotonic() + other_node_s
     while pids and _running(pids) and time.monotonic() < end:
         time.sleep(0.05)
-    assert pids and _running(pids) == [], pids
+    assert pids, "no worker wrote its pid"
+    left = _running(pids)
+    assert left == [], _described(left)
+
+
+def _described(pids: list[int]) -> str:
+    """What the processes still running are, for the failure message: each one's command line
+    and its threads' states, then whether it is gone 2 s later (a slow exit, not a leftover)."""
+    lines = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+            tasks = sorted(_state(int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir())
+            lines.append(f"pid {pid}: {argv!r}, thread states {''.join(tasks)}")
+    time.sleep(2)
+    lines.append(f"2 s later still running: {_running(pids)}")
+    return "actor processes still running after the job: " + "; ".join(lines)
 
 
 def sizes_of(tmp_path: Path) -> list[int]:
