@@ -153,9 +153,10 @@ def _described(pids: list[int]) -> str:
     lines = []
     for pid in pids:
         with contextlib.suppress(OSError):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
             tasks = sorted(_state(int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir())
-            lines.append(f"pid {pid}: {argv!r}, thread states {''.join(tasks)}")
+            lines.append(f"pid {pid}: {argv.decode(errors='replace')[:200]!r}, "
+                         f"thread states {''.join(tasks)}")
     time.sleep(2)
     lines.append(f"2 s later still running: {_running(pids)}")
     return "actor processes still running after the job: " + "; ".join(lines)
