@@ -79,7 +79,9 @@ def test_control_after_an_abort_follows_a_half_written_data_frame(monkeypatch):
         return arrived.wait(10)
 
     assert testing.run_ranks(2, body, transport="tcp", deadline=30) == [True, True]
-    assert got == [b"verdict"]
+    # Rank 0's goodbye when the ranks close may reach rank 1's handler after the verdict: that is
+    # the job's orderly end (ShutdownError), not the loss this test is about.
+    assert [g for g in got if not g.startswith(b"ShutdownError(")] == [b"verdict"], got
 
 
 def test_a_write_after_an_unread_goodbye_is_a_departure_not_a_loss(monkeypatch):
