@@ -363,8 +363,10 @@ def test_a_killed_sshd_session_ends_the_job_naming_the_host(hosts, tmp_path):
     assert job.proc.returncode == 255
     assert "ringflow-run: rank 2 on host h2 lost its ssh session after" in job.stderr, job.stderr
     assert "check that `ssh" not in job.stderr
-    assert all(not r["ok"] for r in job.results())
+    # Rank 2's bootstrap stops it after its session ended, in its own time: the launcher may
+    # exit first. Once nothing is left on any host, every rank has written what it will write.
     assert_no_orphans(hosts)
+    assert all(not r["ok"] for r in job.results())
 
 
 def test_a_killed_ssh_client_ends_the_job_and_its_remote_rank(hosts, tmp_path):
