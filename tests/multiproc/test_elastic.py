@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -202,8 +203,10 @@ def test_when_every_worker_of_a_generation_dies_the_job_fails_and_says_why(tmp_p
     proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "1", KILL=f"{NAMES[0]}:3,{NAMES[1]}:3",
                        SLEEP="0.02")
     assert proc.returncode == 128 + 9
-    assert ("ringflow-run: every worker of generation 0 is gone, and the training state with "
-            "them") in proc.stderr
+    # Both kill themselves in step 3; when the second is late, it first re-forms alone as
+    # generation 1 (the first's loss interrupts its step 3) and dies in step 3 again.
+    assert re.search(r"ringflow-run: every worker of generation [01] is gone, and the training "
+                     r"state with them", proc.stderr), proc.stderr
     no_workers_left(tmp_path)
 
 
