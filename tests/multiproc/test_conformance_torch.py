@@ -13,14 +13,15 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conformance.launch import conform, run_script
+from conformance.launch import frameworks_at, run_script
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(420)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_torch_conformance(np_: int) -> None:
-    conform("torch", np_)
+    out = frameworks_at(np_)
+    assert out.count("PASS torch: ") == np_, out[-8000:]
 
 
 @pytest.mark.parametrize("np_", [2, 3])

@@ -4,11 +4,14 @@ Each worker script in ``torch_workers/`` batches many checks (every collective i
 in-place forms and dtypes; autograd of each collective in closed form; DistributedOptimizer
 against single-process training on the concatenated batch; broadcast helpers; SyncBatchNorm
 against nn.BatchNorm on the global batch; the sampler), because starting a rank with torch costs
-about 2 s. A worker prints ``PASS <n> checks`` on every rank; a failure names its rank.
+about 2 s; and the three scripts run one after the other in the same processes, one job per world
+size (one_process.py). A script prints ``PASS <script>: <n> checks`` on every rank; a failure
+names its rank.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import textwrap
@@ -29,11 +32,10 @@ PYTHONPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
 ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
 
 
-def run(script: str | Path, np: int, timeout: float = 60) -> CommandResult:
-    if np == 1:
-        cmd = [sys.executable, str(script)]
-    else:
-        cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(np), sys.executable, str(script)]
+def run(script: str | Path, np: int, *args: str, timeout: float = 60) -> CommandResult:
+    cmd = [sys.executable, str(script), *args]
+    if np > 1:
+        cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(np), *cmd]
     try:
         (result,) = run_commands([cmd], env=ENV, timeout=timeout, check=False, merge_stderr=False)
     except CommandFailure as exc:  # the deadline
@@ -43,25 +45,36 @@ def run(script: str | Path, np: int, timeout: float = 60) -> CommandResult:
     return result
 
 
-def assert_passed(proc: CommandResult, np: int) -> None:
+SCRIPTS = ["collectives", "autograd_and_training", "join"]
+
+
+@functools.cache
+def job(np: int) -> CommandResult:
+    """Every script of :data:`SCRIPTS` in each of ``np`` processes (run once)."""
+    scripts = [arg for name in SCRIPTS for arg in ("--", str(WORKERS / f"{name}.py"))][1:]
+    return run(WORKERS.parent / "one_process.py", np, *scripts, timeout=60 * len(SCRIPTS))
+
+
+def assert_passed(np: int, script: str) -> None:
+    proc = job(np)
     out = proc.stdout + proc.stderr
+    assert out.count(f"PASS {script}: ") == np, out[-4000:]
     assert proc.returncode == 0, out[-4000:]
-    assert out.count("PASS ") == np, out[-4000:]
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_collectives(np: int) -> None:
-    assert_passed(run(WORKERS / "collectives.py", np), np)
+    assert_passed(np, "collectives")
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_autograd_optimizer_broadcast_syncbn_sampler(np: int) -> None:
-    assert_passed(run(WORKERS / "autograd_and_training.py", np), np)
+    assert_passed(np, "autograd_and_training")
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_join_every_rank_first_with_cached_new_and_unnamed_names(np: int) -> None:
-    assert_passed(run(WORKERS / "join.py", np), np)
+    assert_passed(np, "join")
 
 
 def test_local_error_fails_every_rank_without_hang(tmp_path: Path) -> None:

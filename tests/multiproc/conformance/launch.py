@@ -1,7 +1,17 @@
-"""Run ``worker.py MODE`` under ringflow-run; shared by the conformance test modules."""
+"""How the conformance and rooted-collective tests launch their workers.
+
+:func:`frameworks_at` is the one job of each world size that test_rooted_collectives.py,
+test_conformance_torch.py and test_conformance_tf.py read (one pytest-xdist group:
+tests/conftest.py): in each rank, ``rooted/worker.py`` with every installed framework, then at 2
+and 3 ranks ``worker.py`` with every mode they allow, one after the other in the same process
+(one_process.py). A process that imports torch and TensorFlow costs seconds of CPU to start: 10
+such processes where a job per file and framework started 20.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -10,8 +20,34 @@ from ringflow.testing import run_commands
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).resolve().parent / "worker.py"
+ROOTED = WORKER.parents[1] / "rooted" / "worker.py"
+ONE_PROCESS = WORKER.parents[1] / "one_process.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RINGFLOW_TIMEOUT_S": "60",
        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def installed(*names: str) -> bool:
+    return all(importlib.util.find_spec(name) for name in names)
+
+
+#: rooted/worker.py's frameworks and worker.py's modes, those the installed frameworks allow.
+FRAMEWORKS = [f for f in ("numpy", "torch", "tensorflow") if installed(f)]
+MODES = [mode for mode, needs in (("torch", ["torch"]), ("tf-eager", ["tensorflow"]),
+                                  ("tf-function", ["tensorflow"]),
+                                  ("cross", ["torch", "tensorflow"])) if installed(*needs)]
+
+
+@functools.cache
+def frameworks_at(np_: int) -> str:
+    """The output of the job of ``np_`` ranks (run once), whatever its exit code: each
+    framework's and mode's ``PASS`` lines say how it went."""
+    scripts = [str(ROOTED), ",".join(FRAMEWORKS)]
+    if np_ in (2, 3) and MODES:
+        scripts += ["--", str(WORKER), ",".join(MODES)]
+    (result,) = run_commands(
+        [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable,
+          str(ONE_PROCESS), *scripts]], cwd=ROOT, env=ENV, timeout=400, check=False)
+    return result.output
 
 
 def run_script(script: str, np_: int, timeout: float = 120,
@@ -20,19 +56,4 @@ def run_script(script: str, np_: int, timeout: float = 120,
     (result,) = run_commands(
         [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable,
           str(WORKER.parent / script)]], cwd=ROOT, env={**ENV, **(env or {})}, timeout=timeout)
-    return result.output
-
-
-def conform(mode: str, np_: int) -> None:
-    """Every rank of ``worker.py mode`` on ``np_`` ranks prints PASS (else the output fails)."""
-    out = conform_modes([mode], np_)
-    assert out.count(f"PASS {mode}: ") == np_, out[-8000:]
-
-
-def conform_modes(modes: list[str], np_: int) -> str:
-    """The output of ``worker.py`` running ``modes`` one after the other in one job on ``np_``
-    ranks, whatever its exit code (each mode's PASS lines say how it went)."""
-    (result,) = run_commands(
-        [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable, str(WORKER),
-          ",".join(modes)]], cwd=ROOT, env=ENV, timeout=100 * len(modes) + 100, check=False)
     return result.output

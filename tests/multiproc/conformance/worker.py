@@ -88,6 +88,16 @@ class Torch:
         return [t.grad.numpy() for t in ts]
 
 
+def one_thread(tf: Any) -> None:
+    """TensorFlow's pools at one thread each, unless TensorFlow already ran in this process (an
+    earlier script of one_process.py: rooted/worker.py sets the same)."""
+    try:
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    except RuntimeError:  # "cannot be modified after initialization"
+        pass
+
+
 class TF:
     """How a check calls ringflow.tensorflow, eagerly or inside a tf.function."""
 
@@ -97,8 +107,7 @@ class TF:
         import ringflow.tensorflow as hvd
 
         tf.get_logger().setLevel("ERROR")  # retracing warnings: every check traces anew
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-        tf.config.threading.set_intra_op_parallelism_threads(1)
+        one_thread(tf)
         self.tf, self.hvd, self.graph = tf, hvd, graph
 
     def t(self, x: Any) -> Any:

@@ -18,7 +18,8 @@ import numpy as np
 import tensorflow as tf
 
 # A hang prints every thread's stack (and exits) before the test's own deadline kills us silently.
-faulthandler.dump_traceback_later(float(os.environ.get("TF_WORKER_DEADLINE_S", "150")), exit=True)
+DEADLINE_S = float(os.environ.get("TF_WORKER_DEADLINE_S", "150"))  # for each script
+faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.get_logger().setLevel("ERROR")
@@ -46,9 +47,18 @@ def run(section: str, fn: object) -> None:
 
 
 def finish(rank: int) -> None:
-    faulthandler.cancel_dump_traceback_later()
-    if FAILURES:
-        sys.stderr.write(f"rank {rank}: {len(FAILURES)} failed checks\n" + "\n".join(FAILURES))
+    """Report the script's checks (``rank r: SCRIPT: N checks passed`` on stdout, or each failure
+    on stderr; exit 1), leaving nothing behind for a next script in the same process
+    (tests/multiproc/one_process.py)."""
+    script = os.path.basename(sys.argv[0]).removesuffix("_worker.py")
+    failures, passed = FAILURES[:], len(PASSED)
+    FAILURES.clear()
+    PASSED.clear()
+    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)  # a next script's deadline
+    if failures:
+        sys.stderr.write(f"rank {rank}: {script}: {len(failures)} failed checks\n"
+                         + "\n".join(failures) + "\n")
         sys.stderr.flush()
         sys.exit(1)
-    sys.stdout.write(f"rank {rank}: {len(PASSED)} checks passed\n")
+    sys.stdout.write(f"rank {rank}: {script}: {passed} checks passed\n")
+    sys.stdout.flush()

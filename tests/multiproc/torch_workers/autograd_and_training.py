@@ -1,6 +1,7 @@
 """Gradients of the collectives, DistributedOptimizer, broadcast_* helpers, SyncBatchNorm, sampler.
 
-Run under ringflow-run with any number of ranks. Prints "PASS <n> checks" on success.
+Run under ringflow-run with any number of ranks. Prints
+"PASS autograd_and_training: <n> checks" on success.
 """
 
 from __future__ import annotations
@@ -303,5 +304,5 @@ everyone = hvd.allgather_object(mine)
 flat = sorted(i for part in everyone for i in part)
 check(len(mine) == -(-11 // n) and set(flat) == set(range(11)), "sampler covers the dataset")
 check(isinstance(sampler, torch.utils.data.DistributedSampler), "sampler isinstance")
-print(f"PASS {checks} checks rank {r}/{n}")
+print(f"PASS autograd_and_training: {checks} checks rank {r}/{n}")
 hvd.shutdown()

@@ -1,7 +1,8 @@
 """Every collective of ringflow.torch in sync, async and in-place forms, checked in closed form.
 
 Run under ringflow-run with any number of ranks; rank r contributes values built from r + 1.
-Prints "PASS <n> checks" on success; any failure raises (the launcher reports the rank).
+Prints "PASS collectives: <n> checks" on success; any failure raises (the launcher reports the
+rank).
 """
 
 from __future__ import annotations
@@ -255,5 +256,5 @@ if r == 0 and n > 1:  # the other ranks joined already: they contribute zeros
     close(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="uneven"), torch.ones(2), "after join")
 last = hvd.join()
 check(last == 0 or n == 1, f"join returns the last rank to join ({last})")
-print(f"PASS {checks} checks rank {r}/{n}")
+print(f"PASS collectives: {checks} checks rank {r}/{n}")
 hvd.shutdown()

@@ -2,7 +2,7 @@
 and barrier (allgather and broadcast fail, as in Horovod, and the next operation works), under
 names every rank negotiated before (cache bits) and under new names, then unnamed ones;
 Horovod's test_horovod_join_allreduce, widened. Closed forms: rank r contributes r + 1. Prints
-"PASS <n> checks" on every rank."""
+"PASS join: <n> checks" on every rank."""
 
 from __future__ import annotations
 
@@ -71,4 +71,4 @@ for first in range(n):
         check(n == 1 or last != first, f"join returned the first rank to join ({last})")
         check(hvd.allgather_object(last) == [last] * n, "join returns one rank everywhere")
 ops(None, None)  # unnamed operations pair up after the joins
-print(f"PASS {checks} checks rank {r}/{n}")
+print(f"PASS join: {checks} checks rank {r}/{n}")

@@ -1,9 +1,9 @@
 """A DistributedGradientTape with PowerSGD inside tf.function, and the Keras DistributedOptimizer
-with 1-bit in model.fit, through ringflow-run (tests/multiproc/test_compressed_processes.py).
+with 1-bit in model.fit, through ringflow-run (tests/multiproc/test_tf_adapter.py).
 
 Per step the compressed gradient is c * sum_w (D_w - e_w'): each rank allgathers its raw gradient
 and its errors before and after, and checks the closed form; every rank checks it got rank 0's
-bits. Prints "PASS rank r".
+bits. Prints "PASS compression rank r".
 """
 
 from __future__ import annotations
@@ -65,5 +65,5 @@ for i, v in enumerate(model.trainable_variables):
     first = hvd.broadcast(v, root_rank=0, name=f"keras.{i}").numpy()
     np.testing.assert_array_equal(v.numpy(), first)
 assert hist.history["loss"][-1] < hist.history["loss"][0], hist.history
-print(f"PASS rank {r}", flush=True)
+print(f"PASS compression rank {r}", flush=True)
 hvd.shutdown()
