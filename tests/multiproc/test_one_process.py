@@ -1,0 +1,29 @@
+"""one_process.py, the helper that runs several test scripts one after the other in one process:
+each as ``__main__`` with its own argv and folder, a ``sys.exit`` ending that script only, the
+first nonzero status the process's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ONE_PROCESS = Path(__file__).resolve().parent / "one_process.py"
+
+
+def test_every_script_runs_as_main_and_the_first_failure_is_the_status(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "first.py").write_text(
+        "import sys\nprint('first', __name__, sys.argv[1:])\nsys.exit(3)\n")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "helper.py").write_text("WHERE = 'b'\n")
+    (tmp_path / "b" / "second.py").write_text(
+        "import sys\nfrom helper import WHERE\nprint('second', __name__, sys.argv[1:], WHERE)\n"
+        "sys.exit(4)\n")
+    proc = subprocess.run(
+        [sys.executable, str(ONE_PROCESS), str(tmp_path / "a" / "first.py"), "x", "--",
+         str(tmp_path / "b" / "second.py"), "--", str(tmp_path / "a" / "first.py")],
+        capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines() == ["first __main__ ['x']", "second __main__ [] b",
+                                        "first __main__ []"], proc.stderr
+    assert proc.returncode == 3
