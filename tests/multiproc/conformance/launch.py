@@ -37,11 +37,18 @@ MODES = [mode for mode, needs in (("torch", ["torch"]), ("tf-eager", ["tensorflo
                                   ("cross", ["torch", "tensorflow"])) if installed(*needs)]
 
 
+def rooted_frameworks(np_: int) -> list[str]:
+    """rooted/worker.py's frameworks at ``np_`` ranks: every installed one, but TensorFlow only up
+    to 3 ranks (its adapter hands the engine the same requests at any size; four more
+    TensorFlow processes cost about 25 CPU-s), while numpy's and torch's go to 4."""
+    return [f for f in FRAMEWORKS if np_ <= 3 or f != "tensorflow"]
+
+
 @functools.cache
 def frameworks_at(np_: int) -> str:
     """The output of the job of ``np_`` ranks (run once), whatever its exit code: each
     framework's and mode's ``PASS`` lines say how it went."""
-    scripts = [str(ROOTED), ",".join(FRAMEWORKS)]
+    scripts = [str(ROOTED), ",".join(rooted_frameworks(np_))]
     if np_ in (2, 3) and MODES:
         scripts += ["--", str(WORKER), ",".join(MODES)]
     (result,) = run_commands(
