@@ -16,6 +16,12 @@ import runpy
 import sys
 
 
+def command(*scripts: list[str]) -> list[str]:
+    """The command that runs ``scripts`` (each ``[path, arg, ...]``) in one process."""
+    args = [arg for script in scripts for arg in ("--", *script)][1:]
+    return [sys.executable, os.path.abspath(__file__), *args]
+
+
 def scripts(args: list[str]) -> list[list[str]]:
     """``a x -- b y`` as ``[["a", "x"], ["b", "y"]]``."""
     found: list[list[str]] = [[]]

@@ -5,10 +5,9 @@ first nonzero status the process's."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
-ONE_PROCESS = Path(__file__).resolve().parent / "one_process.py"
+from one_process import command
 
 
 def test_every_script_runs_as_main_and_the_first_failure_is_the_status(tmp_path: Path) -> None:
@@ -21,9 +20,8 @@ def test_every_script_runs_as_main_and_the_first_failure_is_the_status(tmp_path:
         "import sys\nfrom helper import WHERE\nprint('second', __name__, sys.argv[1:], WHERE)\n"
         "sys.exit(4)\n")
     proc = subprocess.run(
-        [sys.executable, str(ONE_PROCESS), str(tmp_path / "a" / "first.py"), "x", "--",
-         str(tmp_path / "b" / "second.py"), "--", str(tmp_path / "a" / "first.py")],
-        capture_output=True, text=True, timeout=60)
+        command([str(tmp_path / "a" / "first.py"), "x"], [str(tmp_path / "b" / "second.py")],
+                [str(tmp_path / "a" / "first.py")]), capture_output=True, text=True, timeout=60)
     assert proc.stdout.splitlines() == ["first __main__ ['x']", "second __main__ [] b",
                                         "first __main__ []"], proc.stderr
     assert proc.returncode == 3

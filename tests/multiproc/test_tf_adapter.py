@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from one_process import command
 
 from ringflow.testing import CommandResult, run_commands
 
@@ -26,7 +27,6 @@ pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "tf_workers"
-ONE_PROCESS = WORKERS.parent / "one_process.py"
 ENV = {
     **os.environ,
     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -46,12 +46,9 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], CommandResu
 
     @functools.cache
     def run(np_: int) -> CommandResult:
-        scripts: list[str] = []
-        for name in SCRIPTS[np_]:
-            scripts += [*(["--"] if scripts else []), str(WORKERS / f"{name}_worker.py"),
-                        *([keras_dir] if name == "keras" else [])]
-        cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable,
-               str(ONE_PROCESS), *scripts]
+        scripts = [[str(WORKERS / f"{name}_worker.py"), *([keras_dir] if name == "keras" else [])]
+                   for name in SCRIPTS[np_]]
+        cmd = [sys.executable, "-m", "ringflow.runner", "-np", str(np_), *command(*scripts)]
         (result,) = run_commands([cmd], cwd=ROOT, env=ENV, check=False, merge_stderr=False,
                                  timeout=120 * len(SCRIPTS[np_]) + 60)
         return result

@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from one_process import command
 
 pytest.importorskip("torch")
 
@@ -51,8 +52,8 @@ SCRIPTS = ["collectives", "autograd_and_training", "join"]
 @functools.cache
 def job(np: int) -> CommandResult:
     """Every script of :data:`SCRIPTS` in each of ``np`` processes (run once)."""
-    scripts = [arg for name in SCRIPTS for arg in ("--", str(WORKERS / f"{name}.py"))][1:]
-    return run(WORKERS.parent / "one_process.py", np, *scripts, timeout=60 * len(SCRIPTS))
+    script, *args = command(*([str(WORKERS / f"{name}.py")] for name in SCRIPTS))[1:]
+    return run(script, np, *args, timeout=60 * len(SCRIPTS))
 
 
 def assert_passed(np: int, script: str) -> None:

@@ -16,12 +16,13 @@ import os
 import sys
 from pathlib import Path
 
+from one_process import command
+
 from ringflow.testing import run_commands
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).resolve().parent / "worker.py"
 ROOTED = WORKER.parents[1] / "rooted" / "worker.py"
-ONE_PROCESS = WORKER.parents[1] / "one_process.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RINGFLOW_TIMEOUT_S": "60",
        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
@@ -48,12 +49,12 @@ def rooted_frameworks(np_: int) -> list[str]:
 def frameworks_at(np_: int) -> str:
     """The output of the job of ``np_`` ranks (run once), whatever its exit code: each
     framework's and mode's ``PASS`` lines say how it went."""
-    scripts = [str(ROOTED), ",".join(rooted_frameworks(np_))]
+    scripts = [[str(ROOTED), ",".join(rooted_frameworks(np_))]]
     if np_ in (2, 3) and MODES:
-        scripts += ["--", str(WORKER), ",".join(MODES)]
+        scripts.append([str(WORKER), ",".join(MODES)])
     (result,) = run_commands(
-        [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), sys.executable,
-          str(ONE_PROCESS), *scripts]], cwd=ROOT, env=ENV, timeout=400, check=False)
+        [[sys.executable, "-m", "ringflow.runner", "-np", str(np_), *command(*scripts)]],
+        cwd=ROOT, env=ENV, timeout=400, check=False)
     return result.output
 
 
