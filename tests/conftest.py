@@ -14,10 +14,10 @@ start no process are spread one by one; a file of process tests goes to one work
 (:func:`group_of`, through :func:`pytest_xdist_make_scheduler`), so that its module fixtures (a
 Ray cluster, a Spark run, a namespace cluster, a built wheel, a reference training) are made
 once, as in a serial run. Ray's files share one group: concurrent Ray clusters would each
-reserve a share of memory for their object store and contend for the same 2 cores; the rooted
-and conformance files read the same jobs (multiproc/conformance/launch.py). Names that
-processes share (/dev/shm, network namespaces, ports) are unique per process already: job ids,
-pids, port 0.
+reserve a share of memory for their object store and contend for the same 2 cores; the files
+that read the framework jobs (multiproc/framework_jobs.py) share one group, so each job runs
+once. Names that processes share (/dev/shm, network namespaces, ports) are unique per process
+already: job ids, pids, port 0.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ PROCESSES = {"multiproc", "multihost", "engines", "faults", "mpi", "docs", "pack
 #: Files whose tests share one pytest-xdist worker whatever their tier (see the module doc).
 GROUPS = {"ray": ("multiproc/test_ray.py", "multiproc/test_ray_multinode.py",
                   "engines/test_ray_train.py"),
-          "frameworks": ("multiproc/test_rooted_collectives.py",
-                         "multiproc/test_conformance_torch.py", "multiproc/test_conformance_tf.py")}
+          "frameworks": ("multiproc/test_torch.py", "multiproc/test_overlap.py",
+                         "multiproc/test_rooted_collectives.py",
+                         "multiproc/test_conformance_torch.py", "multiproc/test_conformance_tf.py",
+                         "multiproc/test_tf_adapter.py")}
 
 
 def group_of(path: Path) -> str | None:

@@ -1,6 +1,9 @@
 """ringflow under Slurm, simulated on network-namespace hosts: ``srun`` tasks with exactly the
 SLURM_* variables a real step sets and no RINGFLOW_* variable (tests/engines/fake_slurm.py), the
-two sbatch examples in examples/slurm, and the batch script that forgets srun.
+two sbatch examples in examples/slurm, and the batch script that forgets srun. workers/job.py
+checks exact collectives and the key-value client on every rank; the two-node srun step also
+trains (``--train``: the hierarchical path across hosts; test_torch_launchers.py says why not
+everywhere).
 
 Each namespace host resolves the others' names (``h1``, ``h2``) and reaches them only over the
 test's own bridge; task 0 serves the rendezvous on ``h1``.
@@ -75,7 +78,7 @@ def test_srun_with_a_secret_file_closes_the_rendezvous(hosts, tmp_path) -> None:
 def test_the_sbatch_examples(hosts, script: str, via: str) -> None:
     """The batch script runs on the first node, as Slurm runs it."""
     cmd = [*netns_cluster.on_host(hosts.namespaces[0], hosts.hosts[0]), "bash",
-           str(ROOT / "examples" / "slurm" / script), "--size", "4", "--train"]
+           str(ROOT / "examples" / "slurm" / script), "--size", "4"]
     env = allocation(hosts, "733" if via == "slurm" else "734", TRAIN_SCRIPT=JOB)
     out = passes(run_all([(cmd, env)]))
     assert out == [line.format(via=via) for line in expected_4()]

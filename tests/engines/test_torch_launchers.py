@@ -5,8 +5,11 @@ Real torchrun (1 node x 2; 2 nodes x 1 on this host; inside an sbatch step's env
 process that initialised torch.distributed first (and one that initialises it after ringflow,
 on the same MASTER_PORT), ``mp.spawn``-style workers setting RANK/WORLD_SIZE inside an srun
 step, and ``ringflow.init(rank=, size=, init_method=)`` with tcp://, file:// and env:// (also
-without torch). Each process checks exact collectives, the key-value client and a short training
-run against one process on the global batch (workers/job.py). Everything listens on 127.0.0.1.
+without torch). Each process checks exact collectives and the key-value client (workers/job.py);
+under torchrun on one node and where torch.distributed was initialised first, also a short
+training run against one process on the global batch (``--train``). A launcher decides the ranks
+and the rendezvous, which the collectives check; training adds torch and its optimizer, the same
+under every launcher, at 4 CPU-s a process. Everything listens on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def test_torchrun_two_nodes_of_one_process_with_c10d_rendezvous(isolated) -> Non
     endpoint = f"127.0.0.1:{free_port()}"
     node = isolated + TORCHRUN + [
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-        endpoint, "--rdzv-id", "two-nodes", JOB, "--size", "2", "--train"]
+        endpoint, "--rdzv-id", "two-nodes", JOB, "--size", "2"]
     out = passes(run_all([(node, clean_env()), (node, clean_env())]))
     # torchrun numbers the nodes (GROUP_RANK): two hosts of one rank each, for ringflow too.
     assert out == expected(2, [(0, 1, 0, 2), (0, 1, 1, 2)], "torchrun")
@@ -102,7 +105,7 @@ def env_contract(n: int, **extra: str) -> list[dict[str, str]]:
 @pytest.mark.parametrize("n", [2, 3])
 def test_env_contract_without_local_rank(n: int) -> None:
     """Kubeflow PyTorchJob / SageMaker style: used to be n jobs of one rank each."""
-    out = passes(run_all([(python(JOB, "--size", str(n), "--train"), env)
+    out = passes(run_all([(python(JOB, "--size", str(n)), env)
                           for env in env_contract(n)]))
     assert out == expected(n, [(r, n, 0, 1) for r in range(n)], "env")
 

@@ -6,7 +6,9 @@ own ``sys.argv`` and its folder first on ``sys.path``, as ``python SCRIPT ARG...
 A process that imports TensorFlow and torch costs seconds of CPU to start, so the tests that
 check them run each world size's scripts in one job of such processes. A script's
 ``sys.exit`` ends that script only; the process exits with the first nonzero status once every
-script ran, and each script's own verdict lines say which failed.
+script ran, and each script's own verdict lines say which failed. A script that exits non-zero
+or raises is named on stderr (``one_process: SCRIPT exited with status N`` / ``... raised``); one
+that raises ends the process, as it would alone.
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ def main() -> None:
             runpy.run_path(argv[0], run_name="__main__")
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+            if code:
+                print(f"one_process: {argv[0]} exited with status {code}", file=sys.stderr,
+                      flush=True)
             status = status or code
+        except BaseException:
+            print(f"one_process: {argv[0]} raised; the scripts after it do not run",
+                  file=sys.stderr, flush=True)
+            raise
     sys.exit(status)
 
 

@@ -1,6 +1,6 @@
 """one_process.py, the helper that runs several test scripts one after the other in one process:
 each as ``__main__`` with its own argv and folder, a ``sys.exit`` ending that script only, the
-first nonzero status the process's."""
+first nonzero status the process's, and a script that fails named."""
 
 from __future__ import annotations
 
@@ -25,3 +25,17 @@ def test_every_script_runs_as_main_and_the_first_failure_is_the_status(tmp_path:
     assert proc.stdout.splitlines() == ["first __main__ ['x']", "second __main__ [] b",
                                         "first __main__ []"], proc.stderr
     assert proc.returncode == 3
+    assert proc.stderr.splitlines() == [f"one_process: {tmp_path}/a/first.py exited with status 3",
+                                        f"one_process: {tmp_path}/b/second.py exited with status 4",
+                                        f"one_process: {tmp_path}/a/first.py exited with status 3"]
+
+
+def test_a_script_that_raises_ends_the_process_and_is_named(tmp_path: Path) -> None:
+    (tmp_path / "bad.py").write_text("raise ValueError('broken')\n")
+    (tmp_path / "next.py").write_text("print('next ran')\n")
+    proc = subprocess.run(command([str(tmp_path / "bad.py")], [str(tmp_path / "next.py")]),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "next ran" not in proc.stdout
+    assert proc.stderr.startswith(f"one_process: {tmp_path}/bad.py raised; the scripts after it "
+                                  "do not run\n"), proc.stderr
+    assert proc.stderr.rstrip().endswith("ValueError: broken"), proc.stderr

@@ -4,31 +4,29 @@ Each worker script in ``torch_workers/`` batches many checks (every collective i
 in-place forms and dtypes; autograd of each collective in closed form; DistributedOptimizer
 against single-process training on the concatenated batch; broadcast helpers; SyncBatchNorm
 against nn.BatchNorm on the global batch; the sampler), because starting a rank with torch costs
-about 2 s; and the three scripts run one after the other in the same processes, one job per world
-size (one_process.py). A script prints ``PASS <script>: <n> checks`` on every rank; a failure
-names its rank.
+seconds; the scripts run in the framework jobs, one per world size (framework_jobs.py: the same
+processes as other files' scripts). A script prints ``PASS <script>: <n> checks rank r/n`` on
+every rank; a failure names its rank.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from one_process import command
+from framework_jobs import passed
 
 pytest.importorskip("torch")
 
 import ringflow
 from ringflow.testing import CommandFailure, CommandResult, run_commands
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(660)
 
 ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
-WORKERS = Path(__file__).resolve().parent / "torch_workers"
 PYTHONPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
 ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
 
@@ -40,42 +38,25 @@ def run(script: str | Path, np: int, *args: str, timeout: float = 60) -> Command
     try:
         (result,) = run_commands([cmd], env=ENV, timeout=timeout, check=False, merge_stderr=False)
     except CommandFailure as exc:  # the deadline
-        passed = exc.results[0].output.count("PASS ")
-        pytest.fail(f"{passed} of {np} ranks had printed PASS (all of them: the hang is at "
+        printed = exc.results[0].output.count("PASS ")
+        pytest.fail(f"{printed} of {np} ranks had printed PASS (all of them: the hang is at "
                     f"shutdown)\n{exc}")
     return result
 
 
-SCRIPTS = ["collectives", "autograd_and_training", "join"]
-
-
-@functools.cache
-def job(np: int) -> CommandResult:
-    """Every script of :data:`SCRIPTS` in each of ``np`` processes (run once)."""
-    script, *args = command(*([str(WORKERS / f"{name}.py")] for name in SCRIPTS))[1:]
-    return run(script, np, *args, timeout=60 * len(SCRIPTS))
-
-
-def assert_passed(np: int, script: str) -> None:
-    proc = job(np)
-    out = proc.stdout + proc.stderr
-    assert out.count(f"PASS {script}: ") == np, out[-4000:]
-    assert proc.returncode == 0, out[-4000:]
-
-
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_collectives(np: int) -> None:
-    assert_passed(np, "collectives")
+    passed(np, r"PASS collectives: \d+ checks rank {r}/{n}\b")
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_autograd_optimizer_broadcast_syncbn_sampler(np: int) -> None:
-    assert_passed(np, "autograd_and_training")
+    passed(np, r"PASS autograd_and_training: \d+ checks rank {r}/{n}\b")
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_join_every_rank_first_with_cached_new_and_unnamed_names(np: int) -> None:
-    assert_passed(np, "join")
+    passed(np, r"PASS join: \d+ checks rank {r}/{n}\b")
 
 
 def test_local_error_fails_every_rank_without_hang(tmp_path: Path) -> None:

@@ -89,13 +89,16 @@ class Torch:
 
 
 def one_thread(tf: Any) -> None:
-    """TensorFlow's pools at one thread each, unless TensorFlow already ran in this process (an
-    earlier script of one_process.py: rooted/worker.py sets the same)."""
-    try:
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-        tf.config.threading.set_intra_op_parallelism_threads(1)
-    except RuntimeError:  # "cannot be modified after initialization"
-        pass
+    """TensorFlow's pools at one thread each, unless an earlier script of this process set them
+    (one_process.py: rooted/worker.py sets the same); once TensorFlow ran, setting them raises, so
+    a different count fails here, loudly."""
+    threading = tf.config.threading
+    for get, set_ in ((threading.get_inter_op_parallelism_threads,
+                       threading.set_inter_op_parallelism_threads),
+                      (threading.get_intra_op_parallelism_threads,
+                       threading.set_intra_op_parallelism_threads)):
+        if get() != 1:
+            set_(1)
 
 
 class TF:

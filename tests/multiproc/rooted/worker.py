@@ -88,8 +88,8 @@ class TensorFlow(Torch):
 
         import ringflow.tensorflow as hvd
 
-        tf.config.threading.set_inter_op_parallelism_threads(1)  # as conformance/worker.py,
-        tf.config.threading.set_intra_op_parallelism_threads(1)  # which runs after it
+        tf.config.threading.set_inter_op_parallelism_threads(1)  # as the TensorFlow scripts
+        tf.config.threading.set_intra_op_parallelism_threads(1)  # after it (framework_jobs.py)
         self.tf, self.hvd = tf, hvd
         self.dtypes = [d for d in DTYPES.values() if d.name != "uint16"]  # tf has no uint16 ops
 

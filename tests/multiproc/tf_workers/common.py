@@ -20,8 +20,14 @@ import tensorflow as tf
 # A hang prints every thread's stack (and exits) before the test's own deadline kills us silently.
 DEADLINE_S = float(os.environ.get("TF_WORKER_DEADLINE_S", "150"))  # for each script
 faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
-tf.config.threading.set_inter_op_parallelism_threads(1)
-tf.config.threading.set_intra_op_parallelism_threads(1)
+# One thread per pool, unless an earlier script of this process set them (one_process.py): once
+# TensorFlow ran, setting them raises, so a different count would fail here, loudly.
+for _get, _set in ((tf.config.threading.get_inter_op_parallelism_threads,
+                    tf.config.threading.set_inter_op_parallelism_threads),
+                   (tf.config.threading.get_intra_op_parallelism_threads,
+                    tf.config.threading.set_intra_op_parallelism_threads)):
+    if _get() != 1:
+        _set(1)
 tf.get_logger().setLevel("ERROR")
 
 FAILURES: list[str] = []

@@ -1,6 +1,7 @@
 """Overlap with backward: the same training with gradients submitted as they become ready
 (the default buckets) and with every gradient submitted after backward (RINGFLOW_BUCKET_BYTES=0)
-ends with the same bits. Prints ``PASS`` on every rank, or raises."""
+ends with the same bits. Prints ``PASS overlap rank r: ...`` on every rank, or raises; leaves
+RINGFLOW_BUCKET_BYTES as it found it (a next script in the same process, one_process.py)."""
 
 from __future__ import annotations
 
@@ -42,11 +43,16 @@ def train(bucket_bytes: str) -> tuple[list[torch.Tensor], int]:
     return params, early
 
 
+found = os.environ.get("RINGFLOW_BUCKET_BYTES")
 overlapped, early = train("4194304")
 at_end, late = train("0")
+if found is None:
+    del os.environ["RINGFLOW_BUCKET_BYTES"]
+else:
+    os.environ["RINGFLOW_BUCKET_BYTES"] = found
 assert early >= STEPS * 4, f"only {early} operations started during backward"
 assert late == 0, f"{late} operations started during backward with RINGFLOW_BUCKET_BYTES=0"
 for a, b in zip(overlapped, at_end, strict=True):
     assert torch.equal(a, b), f"overlap changed the result by {(a - b).abs().max().item()}"
-print(f"PASS rank {hvd.rank()}: {early} of {STEPS * 6} operations started during backward; "
+print(f"PASS overlap rank {hvd.rank()}: {early} of {STEPS * 6} operations started during backward; "
       "results equal bit for bit", flush=True)
