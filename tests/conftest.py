@@ -31,7 +31,8 @@ PROCESSES = {"multiproc", "multihost", "engines", "faults", "mpi", "docs", "pack
 #: Files whose tests share one pytest-xdist worker whatever their tier (see the module doc).
 GROUPS = {"ray": ("multiproc/test_ray.py", "multiproc/test_ray_multinode.py",
                   "engines/test_ray_train.py"),
-          "frameworks": ("multiproc/test_torch.py", "multiproc/test_overlap.py",
+          "frameworks": ("multiproc/test_torch.py", "multiproc/test_torch_backend.py",
+                         "multiproc/test_overlap.py",
                          "multiproc/test_rooted_collectives.py",
                          "multiproc/test_conformance_torch.py", "multiproc/test_conformance_tf.py",
                          "multiproc/test_tf_adapter.py")}

@@ -1,12 +1,12 @@
 """One job per world size for the worker scripts of torch and TensorFlow that several test files
-check: test_torch, test_overlap (shared memory), test_rooted_collectives, test_conformance_torch,
-test_conformance_tf and test_tf_adapter.
+check: test_torch_backend (under ringflow-run), test_torch, test_overlap (shared memory),
+test_rooted_collectives, test_conformance_torch, test_conformance_tf and test_tf_adapter.
 
 A process that imports torch costs 2-4 CPU-s before its first check, TensorFlow 5-6 (RESULTS.md
 section 32), so each world size's scripts run one after the other in the processes of one job
 (one_process.py): ``ringflow-run -np N`` at 2 to 4 ranks, ``python`` alone at 1 (a job of one
-started by nobody, as users run one). 10 processes where a job per file and world size started
-32. :data:`SCRIPTS` says which scripts run at which sizes, in order: torch's first (TensorFlow is
+started by nobody, as users run one): 10 processes, where the files' own jobs started 39.
+:data:`SCRIPTS` says which scripts run at which sizes, in order: torch's first (TensorFlow is
 not imported yet), then the rooted collectives of every framework and the conformance modes,
 then TensorFlow's. Each script prints a verdict line on every rank; a test reads its script's
 (:func:`passed`). A script that fails its checks exits non-zero and the next one runs; one that
@@ -40,6 +40,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RINGFLOW_TIMEOUT_S": "60",
 ENV.pop("RINGFLOW_BUCKET_BYTES", None)  # overlap.py compares its own bucket sizes
 #: How long one job may take: its slowest, 3 ranks on 2 cores, takes about two minutes.
 TIMEOUT_S = 600
+#: The pytest timeout of a test that reads a job (the first to read it waits for all of it).
+TEST_TIMEOUT_S = TIMEOUT_S + 60
 
 
 def installed(*names: str) -> bool:
@@ -65,14 +67,18 @@ class Script:
     path: str  # relative to this folder
     sizes: tuple[int, ...]
     needs: tuple[str, ...]
+    args: tuple[str, ...] = ()
 
 
 #: Every script, in the order a job runs them, with the world sizes it runs at.
 SCRIPTS = [
+    Script("torch_backend_workers/collectives.py", (2, 3), ("torch",)),
+    Script("torch_backend_workers/collectives.py", (2,), ("torch",), ("--ringflow-first",)),
     Script("torch_workers/collectives.py", (1, 2, 3), ("torch",)),
     Script("torch_workers/autograd_and_training.py", (1, 2, 3), ("torch",)),
     Script("torch_workers/join.py", (1, 2, 3), ("torch",)),
     Script("torch_workers/overlap.py", (2, 3), ("torch",)),
+    Script("conformance/sequence.py", (2, 3), ("torch",)),
     Script("rooted/worker.py", (1, 2, 3, 4), ()),
     Script("conformance/worker.py", (2, 3), ()),
     Script("tf_workers/ops_worker.py", (1, 2), ("tensorflow", "keras")),
@@ -88,7 +94,7 @@ def scripts_at(np_: int, scratch: str) -> list[list[str]]:
     args = {"rooted/worker.py": [",".join(rooted_frameworks(np_))],
             "conformance/worker.py": [",".join(MODES)],
             "tf_workers/keras_worker.py": [scratch]}
-    return [[str(HERE / s.path), *args.get(s.path, [])] for s in SCRIPTS
+    return [[str(HERE / s.path), *s.args, *args.get(s.path, [])] for s in SCRIPTS
             if np_ in s.sizes and installed(*s.needs)
             and (s.path != "conformance/worker.py" or MODES)]
 
@@ -107,15 +113,18 @@ def job(np_: int) -> CommandResult:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def passed(np_: int, verdict: str) -> None:
+def passed(np_: int, verdict: str) -> list[re.Match[str]]:
     """Every rank of the job of ``np_`` ranks printed a line matching ``verdict`` (a regular
-    expression in which ``{r}`` stands for the rank and ``{n}`` for ``np_``), and the job exited 0
-    unless a script said it failed (``one_process: ...``): a job that fails after every verdict,
-    at shutdown, fails every test that reads it."""
+    expression, ``^`` and ``$`` at line ends, in which ``{r}`` stands for the rank and ``{n}`` for
+    ``np_``), and the job exited 0 unless a script said it failed (``one_process: ...``): a job
+    that fails after every verdict, at shutdown, fails every test that reads it. The matches, in
+    rank order."""
     result = job(np_)
     out = result.output
-    missing = [r for r in range(np_)
-               if not re.search(verdict.replace("{r}", str(r)).replace("{n}", str(np_)), out)]
+    found = [re.search(verdict.replace("{r}", str(r)).replace("{n}", str(np_)), out, re.M)
+             for r in range(np_)]
+    missing = [r for r, match in enumerate(found) if match is None]
     assert not missing, f"no verdict {verdict!r} from rank(s) {missing}:\n{out[-8000:]}"
     assert result.returncode == 0 or "one_process: " in out, (
         f"the job exited {result.returncode}:\n{out[-8000:]}")
+    return found  # type: ignore[return-value]

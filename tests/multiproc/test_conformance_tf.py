@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from framework_jobs import passed
+from framework_jobs import TEST_TIMEOUT_S, passed
 
-pytestmark = pytest.mark.timeout(660)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("np_", [2, 3])

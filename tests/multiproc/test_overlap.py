@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from framework_jobs import passed
+from framework_jobs import TEST_TIMEOUT_S, passed
 
 pytest.importorskip("torch")
 
 import ringflow
 from ringflow.testing import run_commands
 
-pytestmark = pytest.mark.timeout(660)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
 WORKER = Path(__file__).resolve().parent / "torch_workers" / "overlap.py"

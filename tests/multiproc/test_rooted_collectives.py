@@ -9,9 +9,9 @@ framework started TensorFlow's and torch's processes three times as often)."""
 from __future__ import annotations
 
 import pytest
-from framework_jobs import passed, rooted_frameworks
+from framework_jobs import TEST_TIMEOUT_S, passed, rooted_frameworks
 
-pytestmark = pytest.mark.timeout(660)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 
 @pytest.mark.parametrize(("np_", "framework"), [

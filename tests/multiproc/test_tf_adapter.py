@@ -9,12 +9,12 @@ name with its rank and script.
 from __future__ import annotations
 
 import pytest
-from framework_jobs import passed
+from framework_jobs import TEST_TIMEOUT_S, passed
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 
-pytestmark = pytest.mark.timeout(660)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 
 def checks_passed(script: str) -> str:

@@ -17,14 +17,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from framework_jobs import passed
+from framework_jobs import TEST_TIMEOUT_S, passed
 
 pytest.importorskip("torch")
 
 import ringflow
 from ringflow.testing import CommandFailure, CommandResult, run_commands
 
-pytestmark = pytest.mark.timeout(660)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 ROOT = str(Path(ringflow.__file__).resolve().parent.parent)
 PYTHONPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))

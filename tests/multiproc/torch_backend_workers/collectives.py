@@ -7,7 +7,8 @@
 
 Rank r contributes values built from r, so every result has a closed form in (n, r). Lengths
 cover 0, 1, odd and larger; dtypes the integer, float, half and bool families. Prints
-``PASS rank r/n <checks> checks via <init>`` on success; any failure raises, naming the rank.
+``PASS rank r/n <checks> checks via <init>`` (``... after hvd.init()`` with ``--ringflow-first``)
+on success; any failure raises, naming the rank.
 """
 
 from __future__ import annotations
@@ -389,7 +390,8 @@ def main() -> None:
     ok(ringflow.is_initialized() == args.ringflow_first,
        "destroy_process_group shuts ringflow down if (and only if) the backend started it")
     ringflow.shutdown()
-    print(f"PASS rank {r}/{n} {CHECKS[0]} checks via {args.init.split(':')[0]}", flush=True)
+    first = " after hvd.init()" if args.ringflow_first else ""
+    print(f"PASS rank {r}/{n} {CHECKS[0]} checks via {args.init.split(':')[0]}{first}", flush=True)
 
 
 if __name__ == "__main__":
