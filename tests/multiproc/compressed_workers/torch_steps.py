@@ -3,14 +3,19 @@
 small), 4 steps; per step every compressed gradient is c * sum_w (D_w - e_w') (1-bit: plus the
 server errors' E - E'), checked with every rank's raw gradient and errors (allgathered); the
 parameters are rank 0's bits on every rank; the state survives torch.save / torch.load
-(weights_only). Prints "PASS rank r".
+(weights_only). Prints "PASS SPEC rank r".
 
-    ringflow-run -np 3 --compression onebit python torch_steps.py
+    ringflow-run -np 3 python torch_steps.py onebit:min_elements=256
+
+SPEC is what ``RINGFLOW_COMPRESSION`` (``ringflow-run --compression``) says: the script sets the
+variable for its own run and puts it back after, so that its runs with several compressors share
+one process (tests/multiproc/one_process.py).
 """
 
 from __future__ import annotations
 
 import io
+import os
 import sys
 
 import numpy as np
@@ -19,6 +24,9 @@ import torch
 import ringflow.torch as hvd
 from ringflow.compression import parse
 
+SPEC = sys.argv[1]
+FOUND = os.environ.get("RINGFLOW_COMPRESSION")
+os.environ["RINGFLOW_COMPRESSION"] = SPEC
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 torch.manual_seed(0)
@@ -27,7 +35,7 @@ net = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(), torch.nn.Lin
 opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05),
                                named_parameters=net.named_parameters())
 ex = opt._exchange
-assert ex is not None and ex.options == parse(sys.argv[1]), (ex.options, sys.argv)
+assert ex is not None and ex.options == parse(SPEC), (ex.options, SPEC)
 
 
 def flat(values: dict, names: list[str]) -> np.ndarray:
@@ -71,5 +79,9 @@ buf = io.BytesIO()
 torch.save(opt.state_dict(), buf)
 buf.seek(0)
 opt.load_state_dict(torch.load(buf, weights_only=True))
-print(f"PASS rank {r}", flush=True)
+print(f"PASS {SPEC} rank {r}", flush=True)
 hvd.shutdown()
+if FOUND is None:
+    del os.environ["RINGFLOW_COMPRESSION"]
+else:
+    os.environ["RINGFLOW_COMPRESSION"] = FOUND
