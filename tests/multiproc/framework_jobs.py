@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from one_process import command
+from one_process import command, failure_named
 
 from ringflow.testing import CommandResult, run_commands
 
@@ -125,6 +125,6 @@ def passed(np_: int, verdict: str) -> list[re.Match[str]]:
              for r in range(np_)]
     missing = [r for r, match in enumerate(found) if match is None]
     assert not missing, f"no verdict {verdict!r} from rank(s) {missing}:\n{out[-8000:]}"
-    assert result.returncode == 0 or "one_process: " in out, (
+    assert failure_named(result.returncode, out), (
         f"the job exited {result.returncode}:\n{out[-8000:]}")
     return found  # type: ignore[return-value]

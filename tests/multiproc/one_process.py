@@ -17,6 +17,15 @@ import os
 import runpy
 import sys
 
+#: How this helper's lines on stderr begin.
+MARK = "one_process: "
+
+
+def failure_named(returncode: int, output: str) -> bool:
+    """A job of this helper's processes exited 0, or a script said it failed: a non-zero exit with
+    no script named happened outside every script (at shutdown), and fails whoever reads it."""
+    return returncode == 0 or MARK in output
+
 
 def command(*scripts: list[str]) -> list[str]:
     """The command that runs ``scripts`` (each ``[path, arg, ...]``) in one process."""
@@ -45,12 +54,11 @@ def main() -> None:
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
             if code:
-                print(f"one_process: {argv[0]} exited with status {code}", file=sys.stderr,
-                      flush=True)
+                print(f"{MARK}{argv[0]} exited with status {code}", file=sys.stderr, flush=True)
             status = status or code
         except BaseException:
-            print(f"one_process: {argv[0]} raised; the scripts after it do not run",
-                  file=sys.stderr, flush=True)
+            print(f"{MARK}{argv[0]} raised; the scripts after it do not run", file=sys.stderr,
+                  flush=True)
             raise
     sys.exit(status)
 

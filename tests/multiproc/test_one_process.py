@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from one_process import command
+from one_process import command, failure_named
 
 
 def test_every_script_runs_as_main_and_the_first_failure_is_the_status(tmp_path: Path) -> None:
@@ -25,6 +25,7 @@ def test_every_script_runs_as_main_and_the_first_failure_is_the_status(tmp_path:
     assert proc.stdout.splitlines() == ["first __main__ ['x']", "second __main__ [] b",
                                         "first __main__ []"], proc.stderr
     assert proc.returncode == 3
+    assert failure_named(proc.returncode, proc.stderr) and not failure_named(3, proc.stdout)
     assert proc.stderr.splitlines() == [f"one_process: {tmp_path}/a/first.py exited with status 3",
                                         f"one_process: {tmp_path}/b/second.py exited with status 4",
                                         f"one_process: {tmp_path}/a/first.py exited with status 3"]
