@@ -18,6 +18,15 @@ reserve a share of memory for their object store and contend for the same 2 core
 that read the framework jobs (multiproc/framework_jobs.py) share one group, so each job runs
 once. Names that processes share (/dev/shm, network namespaces, ports) are unique per process
 already: job ids, pids, port 0.
+
+TensorFlow at collection: every pytest-xdist worker collects every file, and TensorFlow (with
+Keras, and the scikit-learn that Keras imports) costs about 5 CPU-seconds to import, Ray Train,
+pyspark's TorchDistributor and scikit-learn one or two each. So no test file imports them when
+it is collected: the files that use TensorFlow in this process import it in a module fixture
+and share one group (with the in-process tests that cast through a framework's kernel), so one
+worker imports it; Ray Train and pyspark are imported by their files' module fixtures; the
+process tests only look for a package (``importlib.util.find_spec``) and leave the import to
+their processes.
 """
 
 from __future__ import annotations
@@ -47,19 +56,21 @@ GROUPS = {"ray": ("multiproc/test_ray.py", "multiproc/test_ray_multinode.py",
                          "multiproc/test_overlap.py",
                          "multiproc/test_rooted_collectives.py",
                          "multiproc/test_conformance_torch.py", "multiproc/test_conformance_tf.py",
-                         "multiproc/test_tf_adapter.py")}
+                         "multiproc/test_tf_adapter.py"),
+          "tensorflow": ("unit/test_tf_helpers.py", "unit/test_tf_status.py",
+                         "unit/test_elastic_keras_callbacks.py", "unit/test_casts.py",
+                         "inproc/test_tf_compressed.py")}
 
 
 def group_of(path: Path) -> str | None:
-    """The pytest-xdist group of the tests in ``path``: its file for a file of process tests, or
-    a group of :data:`GROUPS`; None for tests that may go one by one."""
+    """The pytest-xdist group of the tests in ``path``: its group in :data:`GROUPS`, else its file
+    for a file of process tests; None for tests that may go one by one."""
     try:
         name = path.resolve().relative_to(HERE).as_posix()
     except ValueError:
         return None
-    if name.split("/")[0] not in PROCESSES:
-        return None
-    return next((group for group, paths in GROUPS.items() if name in paths), name)
+    group = next((group for group, paths in GROUPS.items() if name in paths), None)
+    return group or (name if name.split("/")[0] in PROCESSES else None)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-# Ray is imported here only to skip where Ray Train is missing, but it reads these at import, and
-# tests/multiproc/test_ray.py starts its cluster in this pytest process: set them first.
+# Ray is imported here only to skip where Ray Train is missing (by the fixture: at collection it
+# would cost every pytest-xdist worker seconds, tests/conftest.py), but it reads these at import,
+# and tests/multiproc/test_ray.py starts its cluster in this pytest process: set them first.
 os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
 pytest.importorskip("torch")
-pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (ringflow[ray-train])")
 
 from engine_harness import clean_env, loopback_namespace, pass_lines, phase, python, run_all
 
@@ -30,6 +30,8 @@ DRIVER = str(Path(__file__).resolve().parent / "workers" / "ray_train_driver.py"
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> subprocess.CompletedProcess[str]:
+    pytest.importorskip("ray.train.torch",
+                        reason="Ray Train is not installed (ringflow[ray-train])")
     with loopback_namespace() as prefix:
         if not prefix:
             pytest.skip("Ray Train's process group listens on every interface: these tests run "

@@ -19,8 +19,6 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-pytest.importorskip("pyspark.ml.torch.distributor", reason="pyspark is not installed "
-                    "(ringflow[spark])")
 
 from engine_harness import clean_env, loopback_namespace, pass_lines, phase, python, run_all
 
@@ -33,6 +31,9 @@ EXPECTED = ["PASS rank 0/2 local 0/2 cross 0/1 via torchrun",
 
 @pytest.fixture(scope="module")
 def driver() -> subprocess.CompletedProcess[str]:
+    # here, not at collection, where it would cost every pytest-xdist worker (tests/conftest.py)
+    pytest.importorskip("pyspark.ml.torch.distributor",
+                        reason="pyspark is not installed (ringflow[spark])")
     if shutil.which("java") is None:
         pytest.skip("Spark needs a Java runtime (java on PATH)")
     with loopback_namespace() as prefix:

@@ -14,22 +14,33 @@ from typing import Any
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
-
-import ringflow.tensorflow as hvd  # noqa: E402
-from ringflow.tensorflow.gradient_tape import exchange_for  # noqa: E402
-from ringflow.testing import run_engines  # noqa: E402
+from ringflow.testing import run_engines
 
 pytestmark = pytest.mark.timeout(180)
 
-OPTIONS = {"powersgd": hvd.Compression.powersgd(rank=2, min_elements=64),
-           "randomk": hvd.Compression.randomk(fraction=0.3, min_elements=64)}
+tf = hvd = exchange_for = None  # imported by _imports
+OPTIONS = {"powersgd": {"rank": 2, "min_elements": 64},
+           "randomk": {"fraction": 0.3, "min_elements": 64}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imports() -> None:
+    """TensorFlow and ringflow.tensorflow: imported when a test here first runs, not at
+    collection (tests/conftest.py: "TensorFlow at collection")."""
+    global tf, hvd, exchange_for
+    tf = pytest.importorskip("tensorflow")
+    import ringflow.tensorflow as hvd
+    from ringflow.tensorflow.gradient_tape import exchange_for
+
+
+def compressor(kind: str) -> Any:
+    return getattr(hvd.Compression, kind)(**OPTIONS[kind])
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("kind", sorted(OPTIONS))
 def test_tape_result_is_the_closed_form(kind: str, n: int) -> None:
-    options = OPTIONS[kind]
+    options = compressor(kind)
 
     def body(r: int, rf: Any) -> Any:
         w = tf.Variable(np.linspace(-1, 1, 24 * 10, dtype=np.float32).reshape(24, 10))
@@ -78,7 +89,7 @@ def test_sparse_gradients_take_the_exact_sparse_path() -> None:
         emb = tf.Variable(np.ones((50, 30), np.float32))
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.gather(emb, [1, 3 + r]) ** 2)
-        tape = hvd.DistributedGradientTape(tape, compression=OPTIONS["powersgd"])
+        tape = hvd.DistributedGradientTape(tape, compression=compressor("powersgd"))
         (g,) = tape.gradient(loss, [emb])
         return tf.convert_to_tensor(g).numpy()
 

@@ -10,12 +10,10 @@ several CPU-seconds to start); each test reads its mode's lines.
 from __future__ import annotations
 
 import pytest
+from framework_jobs import TEST_TIMEOUT_S, installed, passed
 
-pytest.importorskip("tensorflow")
-
-from framework_jobs import TEST_TIMEOUT_S, passed
-
-pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
+pytestmark = [pytest.mark.timeout(TEST_TIMEOUT_S),
+              pytest.mark.skipif(not installed("tensorflow"), reason="needs tensorflow")]
 
 
 @pytest.mark.parametrize("np_", [2, 3])
@@ -26,5 +24,6 @@ def test_tf_conformance(mode: str, np_: int) -> None:
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_torch_and_tensorflow_agree(np_: int) -> None:
-    pytest.importorskip("torch")
+    if not installed("torch"):
+        pytest.skip("needs torch")
     passed(np_, r"PASS cross: \d+ checks \(rank {r}\)")

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -341,8 +342,10 @@ def test_chaos_schedule(tmp_path, seed):
     nothing_leaked(ends)
 
 
-def _torch() -> None:
-    pytest.importorskip("torch")
+def _needs(module: str) -> None:
+    """Skip where ``module`` is not installed; found, not imported: the workers import it."""
+    if find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
 
 
 @pytest.mark.parametrize(("grow", "framework"), [
@@ -355,7 +358,7 @@ def test_framework_state_moves_between_generations(tmp_path, grow, framework):
     hidden layer of 16 makes a kernel it compresses). TensorFlow runs each path once (a kill
     without compression, an addition with it), not both ways: each of its jobs costs about 20
     CPU-seconds."""
-    pytest.importorskip(framework.split("-")[0])
+    _needs(framework.split("-")[0])
     worker = TORCH_WORKER if framework == "torch" else TF_WORKER
     extra = ({"HIDDEN": "16", "RINGFLOW_COMPRESSION": "powersgd:rank=1:min_elements=16"}
              if framework.endswith("powersgd") else {})
@@ -395,7 +398,7 @@ def test_keras_fit_rolls_back_the_interrupted_epoch(tmp_path):
     collective's failure comes out of the compiled step as a TensorFlow UnknownError, which
     run() turns into HorovodInternalError; KerasState rolls back to the end of epoch 0, and
     epochs 1 to 3 run at size 2, with the same weights and optimizer variables on both ranks."""
-    pytest.importorskip("tensorflow")
+    _needs("tensorflow")
     proc = elastic_run(tmp_path, NAMES, "--min-np", "2", worker=KERAS_WORKER,
                        KILL=f"{NAMES[1]}:1:2", EPOCHS="4")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -436,7 +439,7 @@ def test_under_torchrun_a_restart_resumes_from_the_last_commit(tmp_path):
 
 def test_example_runs_elastic(tmp_path):
     """examples/elastic_torch.py, as docs/guides/elastic.md runs it."""
-    _torch()
+    _needs("torch")
     example = str(Path(ROOT) / "examples" / "elastic_torch.py")
     proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "2", "--max-np", "2", worker=example,
                        EPOCHS="2")

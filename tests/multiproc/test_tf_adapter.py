@@ -9,12 +9,11 @@ name with its rank and script.
 from __future__ import annotations
 
 import pytest
-from framework_jobs import TEST_TIMEOUT_S, passed
+from framework_jobs import TEST_TIMEOUT_S, installed, passed
 
-pytest.importorskip("tensorflow")
-pytest.importorskip("keras")
-
-pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
+pytestmark = [pytest.mark.timeout(TEST_TIMEOUT_S),
+              pytest.mark.skipif(not installed("tensorflow", "keras"),
+                                 reason="needs tensorflow and keras")]
 
 
 def checks_passed(script: str) -> str:

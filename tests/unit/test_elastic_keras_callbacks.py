@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("keras")
-pytest.importorskip("tensorflow")
+elastic = None  # imported by _imports
 
-from ringflow.tensorflow.keras import elastic
+
+@pytest.fixture(scope="module", autouse=True)
+def _imports() -> None:
+    """ringflow.tensorflow.keras.elastic: imported when a test here first runs, not at
+    collection (tests/conftest.py: "TensorFlow at collection")."""
+    global elastic
+    pytest.importorskip("keras")
+    pytest.importorskip("tensorflow")
+    from ringflow.tensorflow.keras import elastic
 
 
 class _State:

@@ -6,17 +6,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
-keras = pytest.importorskip("keras")
-
-import ringflow.tensorflow as hvd  # noqa: E402
-import ringflow.tensorflow.keras as hvd_keras  # noqa: E402
-from ringflow.compression import Compressor  # noqa: E402
-from ringflow.errors import ConfigError, RingflowError, TensorError  # noqa: E402
-from ringflow.tensorflow import gradient_tape, mpi_ops  # noqa: E402
-from ringflow.tensorflow.keras import optimizer as keras_optimizer  # noqa: E402
+from ringflow.compression import Compressor
+from ringflow.errors import ConfigError, RingflowError, TensorError
 
 pytestmark = pytest.mark.timeout(60)
+
+# imported by _imports
+tf = keras = hvd = hvd_keras = gradient_tape = mpi_ops = keras_optimizer = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imports() -> None:
+    """TensorFlow, Keras and ringflow.tensorflow: imported when a test here first runs, not at
+    collection (tests/conftest.py: "TensorFlow at collection")."""
+    global tf, keras, hvd, hvd_keras, gradient_tape, mpi_ops, keras_optimizer
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    import ringflow.tensorflow as hvd
+    import ringflow.tensorflow.keras as hvd_keras
+    from ringflow.tensorflow import gradient_tape, mpi_ops
+    from ringflow.tensorflow.keras import optimizer as keras_optimizer
 
 
 def test_normalize_name_makes_valid_op_names() -> None:
