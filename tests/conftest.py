@@ -39,9 +39,9 @@ import pytest
 
 # Python's bytecode cache, on for the suite and every process it starts. The suite starts about
 # 1,300 Python processes that import the same modules of this checkout; under
-# PYTHONDONTWRITEBYTECODE (set in many container images, and on this project's CI machines)
-# each of them compiled those modules again, 10-30% of the CPU of a test that starts ringflow
-# processes (benchmarks/RESULTS.md section 34). The caches go where Python puts them by default,
+# PYTHONDONTWRITEBYTECODE (set in many container images, this project's development VM's among
+# them) each of them compiled those modules again, 10-30% of the CPU of a test that starts
+# ringflow processes (benchmarks/RESULTS.md section 34). The caches go where Python puts them by default,
 # in __pycache__ folders that .gitignore leaves out. Set here, before pytest-xdist starts its
 # workers, so that they and every child inherit it.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
