@@ -41,9 +41,9 @@ import pytest
 # 1,300 Python processes that import the same modules of this checkout; under
 # PYTHONDONTWRITEBYTECODE (set in many container images, this project's development VM's among
 # them) each of them compiled those modules again, 10-30% of the CPU of a test that starts
-# ringflow processes (benchmarks/RESULTS.md section 34). The caches go where Python puts them by default,
-# in __pycache__ folders that .gitignore leaves out. Set here, before pytest-xdist starts its
-# workers, so that they and every child inherit it.
+# ringflow processes (benchmarks/RESULTS.md section 34). The caches go where Python puts them
+# by default, in __pycache__ folders that .gitignore leaves out. Set here, before pytest-xdist
+# starts its workers, so that they and every child inherit it.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
@@ -53,7 +53,7 @@ PROCESSES = {"multiproc", "multihost", "engines", "faults", "mpi", "docs", "pack
 GROUPS = {"ray": ("multiproc/test_ray.py", "multiproc/test_ray_multinode.py",
                   "engines/test_ray_train.py"),
           "frameworks": ("multiproc/test_torch.py", "multiproc/test_torch_backend.py",
-                         "multiproc/test_overlap.py",
+                         "multiproc/test_overlap.py", "multiproc/test_torch_devices.py",
                          "multiproc/test_rooted_collectives.py",
                          "multiproc/test_conformance_torch.py", "multiproc/test_conformance_tf.py",
                          "multiproc/test_tf_adapter.py"),

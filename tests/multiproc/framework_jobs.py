@@ -1,11 +1,12 @@
 """One job per world size for the worker scripts of torch and TensorFlow that several test files
-check: test_torch_backend (under ringflow-run), test_torch, test_overlap (shared memory),
-test_rooted_collectives, test_conformance_torch, test_conformance_tf and test_tf_adapter.
+check: test_torch_backend (under ringflow-run), test_torch, test_torch_devices, test_overlap
+(shared memory), test_rooted_collectives, test_conformance_torch, test_conformance_tf and
+test_tf_adapter.
 
 A process that imports torch costs 2-4 CPU-s before its first check, TensorFlow 5-6 (RESULTS.md
 section 32), so each world size's scripts run one after the other in the processes of one job
 (one_process.py): ``ringflow-run -np N`` at 2 to 4 ranks, ``python`` alone at 1 (a job of one
-started by nobody, as users run one): 10 processes, where the files' own jobs started 39.
+started by nobody, as users run one): 10 processes, where the files' own jobs started 49.
 :data:`SCRIPTS` says which scripts run at which sizes, in order: torch's first (TensorFlow is
 not imported yet), then the rooted collectives of every framework and the conformance modes,
 then TensorFlow's. Each script prints a verdict line on every rank; a test reads its script's
@@ -76,6 +77,7 @@ SCRIPTS = [
     Script("torch_backend_workers/collectives.py", (2,), ("torch",), ("--ringflow-first",)),
     Script("torch_workers/collectives.py", (1, 2, 3), ("torch",)),
     Script("torch_workers/autograd_and_training.py", (1, 2, 3), ("torch",)),
+    Script("torch_workers/devices.py", (1, 2, 3, 4), ("torch",)),
     Script("torch_workers/join.py", (1, 2, 3), ("torch",)),
     Script("torch_workers/overlap.py", (2, 3), ("torch",)),
     Script("conformance/sequence.py", (2, 3), ("torch",)),
