@@ -23,10 +23,10 @@ import functools
 import os
 import re
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from framework_jobs import installed
 from one_process import command, failure_named
 
 import ringflow
@@ -48,7 +48,7 @@ def run(*args: str, timeout: float = 300) -> str:
 def digits(tmp_path: Path, *flags: str, epochs: int = 20) -> str:
     """The output of ``ringflow-run -np 2 [flags] python examples/pytorch_mnist.py``."""
     pytest.importorskip("torch")
-    if find_spec("sklearn") is None:  # looked for, not imported: the example imports it
+    if not installed("sklearn"):  # looked for, not imported: the example imports it
         pytest.skip("scikit-learn is not installed")
     return run(*flags, sys.executable, "examples/pytorch_mnist.py", "--epochs", str(epochs),
                "--checkpoint-dir", str(tmp_path))

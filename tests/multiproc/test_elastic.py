@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from elastic_checks import (
     schedule,
     went_on_without,
 )
+from framework_jobs import installed
 
 import ringflow
 
@@ -344,7 +344,7 @@ def test_chaos_schedule(tmp_path, seed):
 
 def _needs(module: str) -> None:
     """Skip where ``module`` is not installed; found, not imported: the workers import it."""
-    if find_spec(module) is None:
+    if not installed(module):
         pytest.skip(f"{module} is not installed")
 
 

@@ -6,17 +6,17 @@ from __future__ import annotations
 import os
 import re
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from framework_jobs import installed
 
 from ringflow.testing import run_commands
 
 pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.timeout(300),  # scikit-learn: looked for, not imported (conftest.py)
-              pytest.mark.skipif(find_spec("sklearn") is None, reason="needs scikit-learn")]
+              pytest.mark.skipif(not installed("sklearn"), reason="needs scikit-learn")]
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",

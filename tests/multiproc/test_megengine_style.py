@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from framework_jobs import installed
 
 import ringflow
 from ringflow.testing import run_commands
@@ -80,7 +80,7 @@ def _example(*args: str, runner: list[str] | None = None) -> list[str]:
 
 @pytest.mark.timeout(900)  # three runs of the example: six processes that import torch
 def test_example_equals_one_process_launched_either_way() -> None:
-    if find_spec("sklearn") is None:  # looked for, not imported: the example imports it
+    if not installed("sklearn"):  # looked for, not imported: the example imports it
         pytest.skip("scikit-learn is not installed")
     alone = _example("--single")
     assert alone[-1].startswith("test accuracy ") and len(alone) == 6, alone

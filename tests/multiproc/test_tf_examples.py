@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 import re
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from framework_jobs import installed
 
 from ringflow.testing import run_commands
 
 pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(not (find_spec("tensorflow") and find_spec("sklearn")),
+              pytest.mark.skipif(not installed("tensorflow", "sklearn"),
                                  reason="needs tensorflow and scikit-learn")]
 
 ROOT = Path(__file__).resolve().parents[2]

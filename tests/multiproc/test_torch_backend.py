@@ -19,12 +19,11 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
-from importlib.util import find_spec
 from pathlib import Path
 
 import framework_jobs
 import pytest
-from framework_jobs import TEST_TIMEOUT_S
+from framework_jobs import TEST_TIMEOUT_S, installed
 
 torch = pytest.importorskip("torch")
 
@@ -184,7 +183,7 @@ def test_a_dead_peer_fails_the_survivors_work(tmp_path: Path) -> None:
 def test_ddp_digits_example_under_torchrun_matches_gloo() -> None:
     """The example is a gloo script with the backend's name changed: at 2 ranks both backends
     print the same losses and accuracy (sums of two have one order)."""
-    if find_spec("sklearn") is None:  # looked for, not imported: the example imports it
+    if not installed("sklearn"):  # looked for, not imported: the example imports it
         pytest.skip("scikit-learn is not installed")
     example = str(Path(ROOT) / "examples" / "torch_ddp_digits.py")
     reports = []

@@ -17,11 +17,10 @@ import json
 
 import numpy as np
 import pytest
-from framework_jobs import TEST_TIMEOUT_S, passed
+from framework_jobs import TEST_TIMEOUT_S, installed, passed
 
-pytest.importorskip("torch")
-
-pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
+pytestmark = [pytest.mark.timeout(TEST_TIMEOUT_S),
+              pytest.mark.skipif(not installed("torch"), reason="needs torch")]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
