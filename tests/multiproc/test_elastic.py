@@ -349,15 +349,16 @@ def _needs(module: str) -> None:
 
 
 @pytest.mark.parametrize(("grow", "framework"), [
-    (False, "torch"), (True, "torch"), (False, "tensorflow"), (True, "tensorflow-powersgd"),
-], ids=["kill-torch", "add-torch", "kill-tensorflow", "add-tensorflow-powersgd"])
+    (False, "torch"), (True, "torch"), (True, "tensorflow-powersgd"),
+], ids=["kill-torch", "add-torch", "add-tensorflow-powersgd"])
 def test_framework_state_moves_between_generations(tmp_path, grow, framework):
     """TorchState (model, DistributedOptimizer with momentum, ElasticSampler) and
     TensorFlowKerasState (Keras model, Keras SGD with momentum: a newcomer's optimizer has no
     variables before it is built); with PowerSGD, the state carries the tape's compressor (a
-    hidden layer of 16 makes a kernel it compresses). TensorFlow runs each path once (a kill
-    without compression, an addition with it), not both ways: each of its jobs costs about 20
-    CPU-seconds."""
+    hidden layer of 16 makes a kernel it compresses). TensorFlow's job (20-28 CPU-seconds) is
+    the addition, with compression; its kill is test_keras_fit_rolls_back_the_interrupted_epoch
+    (KerasState is a TensorFlowKerasState: the same restore, after a failure that comes out of
+    a compiled step)."""
     _needs(framework.split("-")[0])
     worker = TORCH_WORKER if framework == "torch" else TF_WORKER
     extra = ({"HIDDEN": "16", "RINGFLOW_COMPRESSION": "powersgd:rank=1:min_elements=16"}
