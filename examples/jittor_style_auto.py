@@ -21,10 +21,10 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+import digits  # examples/digits.py: scikit-learn's digits, read with numpy
 
 
 def model() -> nn.Module:
@@ -45,10 +45,11 @@ def main() -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
+    images, labels = digits.load()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(labels)
+    train, test = digits.split(len(y), 0.25)
+    x_train, x_test, y_train, y_test = x[train], x[test], y[train], y[test]
     train = DataLoader(TensorDataset(x_train, y_train), batch_size=args.batch_size,
                        shuffle=True, drop_last=True)
 

@@ -33,12 +33,12 @@ import argparse
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 
 import ringflow
 import ringflow.torch as hvd
+
+import digits  # examples/digits.py: scikit-learn's digits, read with numpy
 
 
 def stages() -> tuple[nn.Module, nn.Module]:
@@ -49,10 +49,11 @@ def stages() -> tuple[nn.Module, nn.Module]:
 
 
 def data() -> tuple[torch.Tensor, ...]:
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target)
-    return tuple(train_test_split(x, y, test_size=0.25, random_state=0))  # type: ignore
+    images, labels = digits.load()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(labels)
+    train, test = digits.split(len(y), 0.25)
+    return x[train], x[test], y[train], y[test]
 
 
 def batches(n: int, batch: int, epoch: int) -> list[torch.Tensor]:

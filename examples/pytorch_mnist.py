@@ -17,12 +17,12 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringflow.torch as hvd
+
+import digits  # examples/digits.py: scikit-learn's digits, read with numpy
 
 
 class Net(nn.Module):
@@ -61,11 +61,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # one core per rank; the ranks share the machine
 
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=0)
-    train_set, test_set = TensorDataset(x_tr, y_tr), TensorDataset(x_te, y_te)
+    images, labels = digits.load()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(labels)
+    train, test = digits.split(len(y), 0.25)
+    train_set, test_set = TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
     train_sampler = hvd.DistributedSampler(train_set, shuffle=True, seed=args.seed)
     test_sampler = hvd.DistributedSampler(test_set, shuffle=False)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler)

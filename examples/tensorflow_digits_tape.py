@@ -17,9 +17,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 import ringflow.tensorflow as hvd
+
+import digits  # examples/digits.py: scikit-learn's digits, read with numpy
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=300)
@@ -33,9 +34,9 @@ tf.config.threading.set_intra_op_parallelism_threads(args.threads)
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 
-digits = load_digits()
-x = (digits.data / 16.0).astype("float32")
-y = digits.target.astype("int64")
+images, labels = digits.load()
+x = (images.reshape(len(images), 64) / 16.0).astype("float32")
+y = labels
 order = np.random.RandomState(0).permutation(len(x))
 x, y = x[order], y[order]
 split = int(0.8 * len(x))

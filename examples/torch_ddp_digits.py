@@ -20,13 +20,13 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ringflow.torch  # noqa: F401 - registers torch.distributed's backend "ringflow"
+
+import digits  # examples/digits.py: scikit-learn's digits, read with numpy
 
 
 class Net(nn.Module):
@@ -42,11 +42,11 @@ class Net(nn.Module):
 
 
 def datasets() -> tuple[TensorDataset, TensorDataset]:
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
-    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
+    images, labels = digits.load()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(labels, dtype=torch.int64)
+    train, test = digits.split(len(y), 0.25)
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
 def main() -> None:
