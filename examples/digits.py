@@ -2,7 +2,7 @@
 with scikit-learn, so nothing is downloaded.
 
 ``from sklearn.datasets import load_digits`` imports SciPy's statistics on the way and costs every
-rank about 3 CPU-seconds before its first step (RESULTS.md section 36); this module reads the same
+rank 2.3 to 3 CPU-seconds before its first step (RESULTS.md section 36); this module reads the same
 file (``sklearn/datasets/data/digits.csv.gz``) with numpy alone, and splits it as scikit-learn's
 ``train_test_split(..., random_state=seed)`` does. tests/unit/test_digits.py checks both against
 scikit-learn's own functions. (ray_train_torch.py and spark_torch_distributor.py call

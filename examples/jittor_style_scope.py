@@ -51,8 +51,9 @@ def main() -> None:
     images, labels = digits.load()
     x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(labels)
-    train, test = digits.split(len(y), 451)
-    x_train, x_test, y_train, y_test = x[train], x[test], y[train], y[test]
+    train_rows, test_rows = digits.split(len(y), 451)
+    x_train, x_test = x[train_rows], x[test_rows]
+    y_train, y_test = y[train_rows], y[test_rows]
     train = DataLoader(TensorDataset(x_train, y_train), batch_size=args.batch_size,
                        shuffle=True, drop_last=True)
     test = DataLoader(TensorDataset(x_test, y_test), batch_size=100)  # 451: 4 x 100 + 51
