@@ -163,12 +163,13 @@ class Config:
             "autotune_warmup_samples": self.autotune_warmup_samples >= 0,
             "autotune_steps_per_sample": self.autotune_steps_per_sample >= 2,
         }
-        from .compression import parse  # the base layer, as this module
+        if self.compression != "none":  # the default needs no parsing (and no numpy)
+            from .compression import parse  # the base layer, as this module
 
-        try:
-            parse(self.compression)
-        except ConfigError as exc:
-            raise _OutOfRange("compression", f"RINGFLOW_COMPRESSION: {exc}") from None
+            try:
+                parse(self.compression)
+            except ConfigError as exc:
+                raise _OutOfRange("compression", f"RINGFLOW_COMPRESSION: {exc}") from None
         for name, ok in checks.items():
             if not ok:
                 raise _OutOfRange(

@@ -49,7 +49,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
       "ringflow.single_process")),
     ("launchers: ringflow-run, ringflow.run, ssh, supervisors", ("ringflow.runner",)),
     ("the public API and what is built on it only",
-     ("ringflow", "ringflow._adapter", "ringflow.compressed", "ringflow.metrics", "ringflow.build",
+     ("ringflow", "ringflow.api", "ringflow._adapter", "ringflow.compressed", "ringflow.metrics",
+      "ringflow.build",
       "ringflow.testing", "ringflow.ray", "ringflow.elastic")),
     ("framework adapters", ("ringflow.torch", "ringflow.tensorflow")),
 ]
