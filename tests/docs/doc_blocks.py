@@ -161,7 +161,8 @@ def parse_run(annotation: str) -> Run:
 
 def commands(script: str) -> Iterator[list[str]]:
     """The simple commands of a bash script of command lines (continuations joined, comments
-    dropped, split at ``&&``, ``||``, ``;`` and ``|``)."""
+    dropped, split at ``&&``, ``||``, ``;`` and ``|``), without the ``NAME=value`` words that
+    set a command's environment before it."""
     for line in script.replace("\\\n", " ").splitlines():
         words = shlex.split(line, comments=True)
         command: list[str] = []
@@ -170,7 +171,7 @@ def commands(script: str) -> Iterator[list[str]]:
                 if command:
                     yield command
                 command = []
-            else:
+            elif command or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", word):
                 command.append(word)
 
 

@@ -287,7 +287,7 @@ def test_a_wall_clock_that_jumps_changes_nothing(hosts, tmp_path):
     time.monotonic(), which no such step moves (not faked: FAKETIME_DONT_FAKE_MONOTONIC)."""
     offset = tmp_path / "faketime"
     offset.write_text("+0\n")
-    wrap = (f"LD_PRELOAD={FAKETIME} FAKETIME_DONT_FAKE_MONOTONIC=1 FAKETIME_NO_CACHE=1 "
+    wrap = (f"LD_PRELOAD={FAKETIME} FAKETIME_DONT_FAKE_MONOTONIC=1 FAKETIME_CACHE_DURATION=1 "
             f"FAKETIME_TIMESTAMP_FILE={offset} exec")
     job = Job(hosts, tmp_path, timeout_s=T, wrap=wrap)
 

@@ -439,11 +439,12 @@ def test_under_torchrun_a_restart_resumes_from_the_last_commit(tmp_path):
 
 
 def test_example_runs_elastic(tmp_path):
-    """examples/elastic_torch.py, as docs/guides/elastic.md runs it."""
+    """examples/elastic_torch.py, as docs/guides/elastic.md runs it (one host of two slots,
+    ``--min-np 2 --max-np 4``; that page's block is only parsed), for two epochs."""
     _needs("torch")
     example = str(Path(ROOT) / "examples" / "elastic_torch.py")
-    proc = elastic_run(tmp_path, NAMES[:2], "--min-np", "2", "--max-np", "2", worker=example,
-                       EPOCHS="2")
+    proc = elastic_run(tmp_path, ["localhost:2"], "--min-np", "2", "--max-np", "4",
+                       worker=example, EPOCHS="2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split(" on ")[1] for line in proc.stdout.splitlines()
             if "epoch" in line] == ["2 workers"] * 2, proc.stdout
