@@ -5,12 +5,15 @@ with scikit-learn, so nothing is downloaded.
 rank 2.3 to 3 CPU-seconds before its first step (RESULTS.md section 36); this module reads the same
 file (``sklearn/datasets/data/digits.csv.gz``) with numpy alone, and splits it as scikit-learn's
 ``train_test_split(..., random_state=seed)`` does. tests/unit/test_digits.py checks both against
-scikit-learn's own functions. (ray_train_torch.py and spark_torch_distributor.py call
-scikit-learn instead: their training function runs in Ray's or Spark's workers, where this file
-is not importable.)
+scikit-learn's own functions.
 
     images, labels = digits.load()             # load_digits().images, load_digits().target
     train, test = digits.split(len(labels), 0.25)    # indices, as train_test_split picks them
+    x_train, y_train, x_test, y_test = digits.train_test()   # scaled, split, one channel
+
+ray_train_torch.py and spark_torch_distributor.py call :func:`train_test` in the driver and hand
+the arrays to their training function, which runs in Ray's or Spark's workers, where this file
+is not importable (and scikit-learn need not be installed).
 """
 
 from __future__ import annotations
@@ -40,3 +43,13 @@ def split(n: int, test_size: float | int, seed: int = 0) -> tuple[np.ndarray, np
     n_test = math.ceil(test_size * n) if isinstance(test_size, float) else int(test_size)
     order = np.random.RandomState(seed).permutation(n)
     return order[n_test:], order[:n_test]
+
+
+def train_test(test_size: float | int = 0.25,
+               seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(x_train, y_train, x_test, y_test)``: the images as float32 in [0, 1], shape (n, 1, 8, 8)
+    (one channel), and their labels, split as :func:`split` splits them."""
+    images, labels = load()
+    x = (images / 16.0).astype(np.float32)[:, None]
+    train, test = split(len(labels), test_size, seed)
+    return x[train], labels[train], x[test], labels[test]

@@ -10,8 +10,8 @@ examples/pytorch_mnist.py. Every epoch, the ranks report their averaged metrics 
 checkpoint, which Ray Train keeps in ``--storage-path``.
 
 Without ``--address`` this starts a one-node Ray cluster on 127.0.0.1 (no dashboard); with
-``--address auto`` it joins a running cluster, whose nodes must have ringflow, torch and
-scikit-learn installed.
+``--address auto`` it joins a running cluster, whose nodes must have ringflow and torch installed
+(the driver reads the digits and hands them to the workers with the loop's config).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import os
 import tempfile
 from typing import Any
 
+import digits  # examples/digits.py: scikit-learn's digits, read with numpy
+
 
 def train_loop(config: dict[str, Any]) -> None:
     """One Ray Train worker: the loop of examples/pytorch_mnist.py with a smaller model."""
     import ray.train
     import torch
     import torch.nn.functional as F
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -38,10 +38,7 @@ def train_loop(config: dict[str, Any]) -> None:
     torch.manual_seed(config["seed"])
     torch.set_num_threads(1)  # one core per rank; the ranks share the machine
 
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=0)
+    x_tr, y_tr, x_te, y_te = (torch.from_numpy(a) for a in config["data"])
     train_set, test_set = TensorDataset(x_tr, y_tr), TensorDataset(x_te, y_te)
     train_sampler = hvd.DistributedSampler(train_set, shuffle=True, seed=config["seed"])
     train_loader = DataLoader(train_set, batch_size=config["batch_size"], sampler=train_sampler)
@@ -123,7 +120,10 @@ def main(argv: list[str] | None = None) -> float:
                      runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={k: getattr(args, k) for k in ("epochs", "batch_size", "lr", "seed")},
+        # The digits travel with the config: the workers need neither this folder nor
+        # scikit-learn.
+        train_loop_config={"data": digits.train_test(),
+                           **{k: getattr(args, k) for k in ("epochs", "batch_size", "lr", "seed")}},
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=False),
         run_config=RunConfig(name="ringflow-digits", storage_path=args.storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=1)),

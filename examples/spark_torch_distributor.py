@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
+
+import digits  # examples/digits.py: scikit-learn's digits, read with numpy
 
 
-def train(epochs: int, batch_size: int, lr: float, seed: int) -> float:
+def train(data: tuple[Any, ...], epochs: int, batch_size: int, lr: float, seed: int) -> float:
     """One process of the job; returns the test accuracy averaged over the ranks.
 
     TorchDistributor returns what this returns; in local mode every rank writes it to the same
     file, so it must be a value all ranks agree on (an allreduced metric is)."""
     import torch
     import torch.nn.functional as F
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -40,10 +41,7 @@ def train(epochs: int, batch_size: int, lr: float, seed: int) -> float:
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # one core per rank; the ranks share the machine
 
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=0)
+    x_tr, y_tr, x_te, y_te = (torch.from_numpy(a) for a in data)
     train_set, test_set = TensorDataset(x_tr, y_tr), TensorDataset(x_te, y_te)
     train_sampler = hvd.DistributedSampler(train_set, shuffle=True, seed=seed)
     train_loader = DataLoader(train_set, batch_size=batch_size, sampler=train_sampler)
@@ -103,7 +101,9 @@ def main(argv: list[str] | None = None) -> float:
     try:
         distributor = TorchDistributor(num_processes=args.num_processes, local_mode=True,
                                        use_gpu=False)
-        accuracy = distributor.run(train, args.epochs, args.batch_size, args.lr, args.seed)
+        # The digits travel with the call: the processes need no scikit-learn.
+        accuracy = distributor.run(train, digits.train_test(), args.epochs, args.batch_size,
+                                   args.lr, args.seed)
     finally:
         if owned:
             spark.stop()

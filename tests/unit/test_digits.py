@@ -35,3 +35,18 @@ def test_split_is_train_test_split(test_size: float | int, seed: int) -> None:
                                                        random_state=seed)
     train, test = digits.split(len(every), test_size, seed)
     assert np.array_equal(train, want_train) and np.array_equal(test, want_test)
+
+
+def test_train_test_is_what_the_ray_and_spark_examples_computed_in_their_workers() -> None:
+    """Their loop's tensors before digits.train_test (torch's cast and scaling, then
+    train_test_split), to the bit."""
+    torch = pytest.importorskip("torch")
+    datasets = pytest.importorskip("sklearn.datasets")
+    selection = pytest.importorskip("sklearn.model_selection")
+    loaded = datasets.load_digits()
+    x = torch.tensor(loaded.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(loaded.target)
+    want = selection.train_test_split(x, y, test_size=0.25, random_state=0)  # xtr, xte, ytr, yte
+    got = [torch.from_numpy(a) for a in digits.train_test()]  # xtr, ytr, xte, yte
+    for g, w in zip(got, [want[0], want[2], want[1], want[3]], strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
