@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> float:
                      runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     trainer = TorchTrainer(
         train_loop,
-        # The digits travel with the config: the workers need neither this folder nor
-        # scikit-learn.
+        # The digits travel with the config: the workers read no file and need no scikit-learn.
         train_loop_config={"data": digits.train_test(),
                            **{k: getattr(args, k) for k in ("epochs", "batch_size", "lr", "seed")}},
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=False),
